@@ -1,0 +1,80 @@
+"""dtorch: single-controller distributed tensors for PyTorch.
+
+One ordinary PyTorch program (the controller) drives one worker per device. Distributed tensors
+are handles; ops on them are planned here and run asynchronously on the workers.
+"""
+
+from __future__ import annotations
+
+from . import errors
+from .api import (
+    arange,
+    distribute_tensor,
+    empty,
+    fallback_counts,
+    from_local,
+    full,
+    init,
+    is_initialized,
+    manual_seed,
+    memory_stats,
+    ones,
+    rand,
+    randn,
+    set_strict,
+    shutdown,
+    synchronize,
+    zeros,
+)
+from .errors import (
+    DTorchError,
+    FallbackRefusedError,
+    MeshMismatchError,
+    OpError,
+    PlacementError,
+    PluginError,
+    WorkerError,
+    WorkerLostError,
+)
+from .hookspecs import hookimpl
+from .mesh import DeviceMesh, init_device_mesh
+from .placement import Partial, Replicate, Shard
+from .tensor import DTensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DTensor",
+    "DeviceMesh",
+    "DTorchError",
+    "FallbackRefusedError",
+    "MeshMismatchError",
+    "OpError",
+    "Partial",
+    "PlacementError",
+    "PluginError",
+    "Replicate",
+    "Shard",
+    "WorkerError",
+    "WorkerLostError",
+    "arange",
+    "distribute_tensor",
+    "empty",
+    "errors",
+    "fallback_counts",
+    "from_local",
+    "full",
+    "hookimpl",
+    "init",
+    "init_device_mesh",
+    "is_initialized",
+    "manual_seed",
+    "memory_stats",
+    "ones",
+    "rand",
+    "randn",
+    "set_strict",
+    "shutdown",
+    "synchronize",
+    "zeros",
+]

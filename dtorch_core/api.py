@@ -1,0 +1,332 @@
+"""The public functions of dtorch (re-exported by ``dtorch_core``)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import structlog
+import torch
+
+from .errors import PlacementError
+from .mesh import DeviceMesh, init_device_mesh, root_coordinate
+from .placement import Partial, Replicate, Shard
+from .runtime import session as _session_mod
+from .runtime.session import Session, current_session, timeout_from_env
+from .spec import TensorSpec, contiguous_stride, shard_region
+from .tensor import DTensor, root_placements, view_for
+
+log = structlog.get_logger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# session
+# ---------------------------------------------------------------------------------------------
+def init(world_size: int | None = None, *, runner: str | None = None, device_type: str = "cpu",
+         strict: bool | None = None, timeout: float | None = None, **options) -> Session:
+    """Start the workers and make this process the controller.
+
+    ``runner`` defaults to ``$DTORCH_RUNNER`` or ``"thread"``; ``world_size`` to
+    ``$DTORCH_WORLD_SIZE`` or 1. ``strict=True`` (or ``DTORCH_STRICT=1``) makes ops without a
+    sharding rule raise instead of running replicated.
+    """
+    from .plugins import get_plugins
+
+    if _session_mod._session is not None:
+        shutdown()
+    runner = runner or os.environ.get("DTORCH_RUNNER", "thread")
+    world_size = int(world_size or os.environ.get("DTORCH_WORLD_SIZE", 1))
+    if world_size < 1:
+        raise PlacementError(f"world_size must be >= 1, got {world_size}")
+    if strict is None:
+        strict = os.environ.get("DTORCH_STRICT", "") not in ("", "0")
+    timeout = timeout_from_env() if timeout is None else float(timeout)
+    factory = get_plugins().registry("runners").get(runner)
+    runner_obj = factory(world_size, device_type=device_type, timeout=timeout, **options)
+    session = Session(runner_obj, strict=strict, timeout=timeout)
+    _session_mod.set_session(session)
+    log.debug("session started", runner=runner, world_size=world_size)
+    return session
+
+
+def shutdown() -> None:
+    """Stop the workers. Distributed tensors of this session become unusable."""
+    session = _session_mod._session
+    if session is None:
+        return
+    _session_mod.set_session(None)
+    session.close()
+
+
+def is_initialized() -> bool:
+    return _session_mod._session is not None
+
+
+def manual_seed(seed: int) -> None:
+    """Seed every random op issued from now on (same values on every runner)."""
+    current_session().manual_seed(seed)
+
+
+def synchronize() -> None:
+    """Wait until the workers have run every op issued so far."""
+    current_session().synchronize()
+
+
+def memory_stats() -> list[dict]:
+    """Per device: ``{"rank", "live_tensors", "bytes"}`` (a sync point)."""
+    return current_session().memory_stats()
+
+
+def fallback_counts() -> dict[str, int]:
+    """How often each op without a sharding rule ran through the replicated fallback."""
+    return dict(current_session().fallback_counts)
+
+
+def set_strict(strict: bool = True) -> None:
+    """Make ops without a sharding rule raise (True) or run replicated with a warning (False)."""
+    session = current_session()
+    session.strict = strict
+    session.plans.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# creating distributed tensors
+# ---------------------------------------------------------------------------------------------
+def _coord(mesh: DeviceMesh, rank: int):
+    return root_coordinate(mesh.root, rank)
+
+
+def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements=None) -> DTensor:
+    """Split ``tensor`` (held by the controller) onto the mesh; uneven shards follow torch.chunk."""
+    session = current_session()
+    if isinstance(tensor, DTensor):
+        raise PlacementError("distribute_tensor got a DTensor; use .redistribute() instead")
+    if placements is None:
+        placements = [Replicate()] * device_mesh.ndim
+    root = device_mesh.root
+    full = root_placements(device_mesh, placements, tensor.ndim)
+    data = tensor.detach()
+    spec = TensorSpec(root, full, tuple(data.shape), contiguous_stride(data.shape), data.dtype)
+    shards = {}
+    for rank in root.ranks:
+        region = shard_region(spec.shape, full, root.shape, _coord(root, rank))
+        local = data
+        for d, (off, length) in enumerate(region):
+            if length != data.shape[d]:
+                local = local.narrow(d, off, length)
+        local = local.contiguous().clone()
+        for m, p in enumerate(full):
+            if isinstance(p, Partial) and p.reduce_op == "sum" and _coord(root, rank)[m] != 0:
+                local.zero_()
+        shards[rank] = local
+    tid = session.put(shards, root)
+    out = DTensor._make(spec, device_mesh, tid, session)
+    if tensor.requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def from_local(local, device_mesh: DeviceMesh, placements, *, shape=None) -> DTensor:
+    """Build a DTensor from local shards: a dict/list of one tensor per rank, or one tensor used
+    as every rank's local shard. ``shape`` defaults to the shards laid out as torch.chunk does."""
+    session = current_session()
+    root = device_mesh.root
+    if isinstance(local, torch.Tensor):
+        shards = {r: local.detach().clone() for r in root.ranks}
+    elif isinstance(local, dict):
+        shards = {r: t.detach().clone() for r, t in local.items()}
+    else:
+        shards = {r: t.detach().clone() for r, t in zip(root.ranks, local)}
+    if set(shards) != set(root.ranks):
+        raise PlacementError(f"from_local needs one shard per rank of the mesh {root.ranks}, got ranks {sorted(shards)}")
+    first = shards[root.ranks[0]]
+    full = root_placements(device_mesh, placements, first.ndim)
+    if shape is None:
+        shape = list(first.shape)
+        for m, p in enumerate(full):
+            if isinstance(p, Shard):
+                # sum the local sizes along the mesh dim, at coordinate 0 of the other dims
+                total = 0
+                for k in range(root.shape[m]):
+                    coord = [0] * root.ndim
+                    coord[m] = k
+                    rank = root.ranks[_flat(root.shape, coord)]
+                    total += shards[rank].shape[p.dim]
+                shape[p.dim] = total if not any(
+                    isinstance(q, Shard) and q.dim == p.dim for q in full[:m]
+                ) else shape[p.dim] * root.shape[m]
+    shape = tuple(shape)
+    spec = TensorSpec(root, full, shape, contiguous_stride(shape), first.dtype)
+    for rank in root.ranks:
+        expected = spec.local_shape(_coord(root, rank))
+        if tuple(shards[rank].shape) != expected:
+            raise PlacementError(
+                f"from_local: rank {rank} has a shard of shape {tuple(shards[rank].shape)}, but global shape "
+                f"{shape} with placements {full} gives it {expected}"
+            )
+    tid = session.put(shards, root)
+    return DTensor._make(spec, device_mesh, tid, session)
+
+
+def _flat(shape, coord):
+    idx = 0
+    for n, c in zip(shape, coord):
+        idx = idx * n + c
+    return idx
+
+
+_FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "arange")
+
+
+def _factory(kind, shape, device_mesh, placements, dtype, fill=None, requires_grad=False):
+    from .dispatch import plan_factory
+
+    if isinstance(shape, int):
+        shape = (shape,)
+    shape = tuple(int(s) for s in shape)
+    dtype = dtype or (torch.int64 if kind == "arange" else torch.get_default_dtype())
+    if placements is None:
+        placements = [Replicate()] * device_mesh.ndim
+    full = root_placements(device_mesh, placements, len(shape))
+    spec = TensorSpec(device_mesh.root, full, shape, contiguous_stride(shape), dtype)
+    out = plan_factory(kind, spec, device_mesh, fill)
+    if requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def zeros(*size, device_mesh, placements=None, dtype=None, requires_grad=False) -> DTensor:
+    """A distributed tensor of zeros created on the workers (nothing moves from the controller)."""
+    return _factory("zeros", _size(size), device_mesh, placements, dtype, requires_grad=requires_grad)
+
+
+def ones(*size, device_mesh, placements=None, dtype=None, requires_grad=False) -> DTensor:
+    return _factory("ones", _size(size), device_mesh, placements, dtype, requires_grad=requires_grad)
+
+
+def empty(*size, device_mesh, placements=None, dtype=None, requires_grad=False) -> DTensor:
+    return _factory("empty", _size(size), device_mesh, placements, dtype, requires_grad=requires_grad)
+
+
+def full(size, fill_value, *, device_mesh, placements=None, dtype=None, requires_grad=False) -> DTensor:
+    return _factory("full", _size((size,)), device_mesh, placements, dtype, fill=fill_value,
+                    requires_grad=requires_grad)
+
+
+def rand(*size, device_mesh, placements=None, dtype=None, requires_grad=False) -> DTensor:
+    """Uniform random values; the global tensor is the same for any placement and runner."""
+    return _factory("rand", _size(size), device_mesh, placements, dtype, requires_grad=requires_grad)
+
+
+def randn(*size, device_mesh, placements=None, dtype=None, requires_grad=False) -> DTensor:
+    return _factory("randn", _size(size), device_mesh, placements, dtype, requires_grad=requires_grad)
+
+
+def arange(end, *, device_mesh, placements=None, dtype=None) -> DTensor:
+    return _factory("arange", (int(end),), device_mesh, placements, dtype)
+
+
+def _size(size):
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        return tuple(size[0])
+    return tuple(size)
+
+
+# ---------------------------------------------------------------------------------------------
+# reads
+# ---------------------------------------------------------------------------------------------
+def fetch_full(x: DTensor) -> torch.Tensor:
+    """The global value of ``x`` on the controller (no autograd)."""
+    from .dispatch import redistribute_now
+
+    session = current_session()
+    spec = x._spec
+    if spec.has_partial():
+        x = redistribute_now(x, tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements))
+        spec = x._spec
+    root = spec.mesh
+    picks = {}
+    for rank in root.ranks:
+        picks.setdefault(spec.region(_coord(root, rank)), rank)
+    shards = session.fetch(x._tid, picks.values())
+    out = torch.empty(spec.shape, dtype=spec.dtype)
+    for region, rank in picks.items():
+        index = tuple(slice(off, off + n) for off, n in region)
+        out[index] = shards[rank]
+    return out
+
+
+def local_shard(x: DTensor, rank: int | None = None) -> torch.Tensor:
+    session = current_session()
+    root = x._spec.mesh
+    rank = root.ranks[0] if rank is None else rank
+    if rank not in root.ranks:
+        raise PlacementError(f"rank {rank} is not on the mesh {root!r}")
+    return session.fetch(x._tid, (rank,))[rank].detach().clone()
+
+
+def local_shards(x: DTensor) -> dict:
+    session = current_session()
+    return {r: t.detach().clone() for r, t in session.fetch(x._tid, x._spec.mesh.ranks).items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# differentiable movement
+# ---------------------------------------------------------------------------------------------
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, placements, view):
+        from .dispatch import redistribute_now
+
+        ctx.src = x._spec.placements
+        ctx.src_view = x._view
+        return redistribute_now(x, placements, view)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from .dispatch import redistribute_now
+
+        if not isinstance(grad, DTensor):
+            return None, None, None
+        target = tuple(Replicate() if isinstance(p, Partial) else p for p in ctx.src)
+        return redistribute_now(grad, target, ctx.src_view), None, None
+
+
+def _redistribute_autograd(x: DTensor, device_mesh, placements) -> DTensor:
+    mesh = device_mesh or x._view
+    if mesh.root != x._spec.mesh:
+        raise PlacementError(
+            f"redistribute to another mesh ({mesh!r} from {x._spec.mesh!r}) is not supported; "
+            "use full_tensor() and distribute_tensor()"
+        )
+    if placements is None:
+        placements = [Replicate()] * mesh.ndim
+    full = root_placements(mesh, placements, x.ndim)
+    if not mesh.is_root:
+        # dims outside the sub-mesh keep their placements
+        keep = list(x._spec.placements)
+        for d in mesh.dims_in_root:
+            keep[d] = full[d]
+        full = tuple(keep)
+    return _Redistribute.apply(x, full, mesh if mesh.is_root else view_for(x._spec.with_placements(full), mesh))
+
+
+class _FullTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.spec = x._spec
+        ctx.view = x._view
+        return fetch_full(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from .dispatch import redistribute_now
+
+        spec = ctx.spec
+        rep = distribute_tensor(grad, spec.mesh, [Replicate()] * spec.mesh.ndim)
+        target = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
+        return redistribute_now(rep, target, ctx.view)
+
+
+def _full_tensor_autograd(x: DTensor) -> torch.Tensor:
+    return _FullTensor.apply(x)

@@ -1,0 +1,1 @@
+"""Communicators: how the workers of one mesh-dim group exchange tensors."""

@@ -1,0 +1,613 @@
+"""Controller dispatch: cache -> plan -> instructions.
+
+``dispatch`` is called from ``DTensor.__torch_dispatch__``. The cache key is the op plus the
+input specs and static arguments; a hit replays the stored plan (emit redistributions, one
+``Call``, wrap fresh handles) without touching meta tensors or rules.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import warnings
+from typing import Any, Callable
+
+import attrs
+import structlog
+import torch
+
+from .errors import FallbackRefusedError, MeshMismatchError, OpError
+from .graph.instructions import Call, Collective, DefinePlan, Slot
+from .mesh import DeviceMesh, root_coordinate
+from .ops.registry import LocalCall, OpCall, Rule, Strategy
+from .placement import Partial, Replicate, Shard
+from .redistribute import plan_redistribute, redistribute_cost
+from .spec import TensorSpec, contiguous_stride, shard_region
+from .tensor import DTensor, view_for
+
+log = structlog.get_logger(__name__)
+
+aten = torch.ops.aten
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_SYNC_OPS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+# ---------------------------------------------------------------------------------------------
+def dispatch(func, args, kwargs):
+    from .runtime.session import current_session
+
+    session = current_session()
+    inputs: list = []
+    key = (func, _key_of(args, inputs), _key_of(tuple(kwargs.values()), inputs), tuple(kwargs))
+    plan = session.plans.get(key)
+    if plan is None:
+        plan = build_plan(session, func, args, kwargs, inputs)
+        session.plans[key] = plan
+    return plan.run(session, args, kwargs, inputs)
+
+
+def _key_of(x, inputs):
+    t = type(x)
+    if t is DTensor:
+        inputs.append(x)
+        return x._spec
+    if t is tuple or t is list:
+        return tuple([_key_of(a, inputs) for a in x])
+    if t is float or t is int or t is bool:
+        return (t, x)
+    if isinstance(x, torch.Tensor):
+        inputs.append(x)
+        return ("plain", tuple(x.shape), x.dtype)
+    return x
+
+
+def user_source() -> str | None:
+    """``file:line`` of the innermost frame outside dtorch and torch (the user's call)."""
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if not (name.startswith(_PKG_DIR) or name.startswith(_TORCH_DIR) or name.startswith("<")):
+            return f"{name}:{f.f_lineno}"
+        f = f.f_back
+    return None
+
+
+def map_structure(x, fn):
+    """Apply ``fn`` to every tensor in nested lists/tuples/dicts (dict values) of ``x``."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if type(x) is tuple or type(x) is list:
+        return type(x)(map_structure(a, fn) for a in x)
+    if type(x) is dict:
+        return {k: map_structure(v, fn) for k, v in x.items()}
+    return x
+
+
+def flatten_outputs(out) -> tuple[list, Callable]:
+    """Flat list of output tensors (None kept) and a function that rebuilds the structure."""
+    if isinstance(out, torch.Tensor):
+        return [out], lambda flat: flat[0]
+    if out is None:
+        return [], lambda flat: None
+    if type(out) in (tuple, list):
+        kind = type(out)
+        for o in out:
+            if o is not None and not isinstance(o, torch.Tensor):
+                raise OpError(f"output {o!r} is not a tensor")
+        return list(out), lambda flat: kind(flat)
+    raise OpError(f"op returned {type(out).__name__}, which dtorch cannot distribute")
+
+
+# ---------------------------------------------------------------------------------------------
+# plans
+# ---------------------------------------------------------------------------------------------
+@attrs.define
+class DirectPlan:
+    """Redistribute inputs, run one local call per rank, wrap the outputs."""
+
+    plan_id: int
+    mesh: DeviceMesh
+    moves: tuple  # per input: tuple of redistribute Steps
+    out_specs: tuple  # per flat output: TensorSpec or None
+    out_views: tuple
+    out_alias: tuple  # per flat output: input index it returns (in-place), or None
+    rebuild: Callable
+    seeded: bool
+    mesh_id: int
+
+    def run(self, session, args, kwargs, inputs):
+        tids = []
+        temps = []
+        emit = session.emit
+        for x, steps in zip(inputs, self.moves):
+            if type(x) is DTensor:
+                tid = x._tid
+            else:
+                tid = session.put_replicated(x, self.mesh)
+                temps.append(tid)
+            for step in steps:
+                new = session.new_tid()
+                emit(Collective(step.kind, self.mesh_id, step.mesh_dim, tid, new, step.dim, step.reduce_op, step.dim2))
+                temps.append(new)
+                tid = new
+            tids.append(tid)
+        outs = []
+        out_tids = []
+        for spec, view, alias in zip(self.out_specs, self.out_views, self.out_alias):
+            if alias is not None:
+                outs.append(inputs[alias])
+                out_tids.append(tids[alias])
+            elif spec is None:
+                outs.append(None)
+                out_tids.append(-1)
+            else:
+                tid = session.new_tid()
+                outs.append(DTensor._make(spec, view, tid, session))
+                out_tids.append(tid)
+        emit(
+            Call(
+                self.plan_id,
+                tuple(tids),
+                tuple(out_tids),
+                user_source() if session.track_source else None,
+                session.next_seed() if self.seeded else None,
+            )
+        )
+        if temps:
+            session.release_many(temps)
+        return self.rebuild(outs)
+
+
+@attrs.define
+class FunctionPlan:
+    """Run a Python function on the controller (decompositions, fallbacks, reads)."""
+
+    fn: Callable
+
+    def run(self, session, args, kwargs, inputs):
+        return self.fn(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# planning
+# ---------------------------------------------------------------------------------------------
+def _common_mesh(func, inputs) -> tuple[DeviceMesh, DeviceMesh | None]:
+    mesh = None
+    view = None
+    views = set()
+    for x in inputs:
+        if type(x) is DTensor:
+            if mesh is None:
+                mesh = x._spec.mesh
+            elif x._spec.mesh != mesh:
+                raise MeshMismatchError(
+                    f"{func}: inputs live on different meshes ({mesh!r} and {x._spec.mesh!r}); "
+                    "redistribute them onto one mesh first"
+                )
+            views.add(x._view)
+    if len(views) == 1:
+        view = views.pop()
+    return mesh, view
+
+
+def _spec_of(x, mesh) -> TensorSpec:
+    if type(x) is DTensor:
+        return x._spec
+    return TensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(x.shape), contiguous_stride(x.shape), x.dtype)
+
+
+def _meta(spec: TensorSpec) -> torch.Tensor:
+    return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
+
+
+def _replace_inputs(x, fn, counter):
+    """Replace every tensor in args with ``fn(index)``, in flattening order."""
+    if isinstance(x, torch.Tensor):
+        i = counter[0]
+        counter[0] += 1
+        return fn(i)
+    if type(x) is tuple or type(x) is list:
+        return type(x)(_replace_inputs(a, fn, counter) for a in x)
+    return x
+
+
+def _substitute(args, kwargs, fn):
+    counter = [0]
+    new_args = _replace_inputs(tuple(args), fn, counter)
+    new_kwargs = {k: _replace_inputs(v, fn, counter) for k, v in kwargs.items()}
+    return new_args, new_kwargs
+
+
+def describe_inputs(inputs, mesh) -> str:
+    parts = []
+    for x in inputs:
+        if type(x) is DTensor:
+            parts.append(f"{tuple(x.shape)}{list(x.placements)}")
+        else:
+            parts.append(f"{tuple(x.shape)}[torch.Tensor]")
+    return ", ".join(parts)
+
+
+def _mutated_inputs(func, args, kwargs) -> tuple[set, dict]:
+    """Flat input indices the op writes, and a map schema-alias-set -> first flat input index."""
+    mutated = set()
+    alias_first = {}
+    counter = 0
+    schema = func._schema
+    values = list(args) + [None] * (len(schema.arguments) - len(args))
+    for i, arg in enumerate(schema.arguments):
+        if arg.name in kwargs:
+            v = kwargs[arg.name]
+        else:
+            v = values[i] if i < len(values) else None
+        n = _count_tensors(v)
+        if arg.alias_info is not None and n:
+            if arg.alias_info.is_write:
+                mutated.update(range(counter, counter + n))
+            for s in arg.alias_info.before_set:
+                alias_first.setdefault(s, counter)
+        counter += n
+    return mutated, alias_first
+
+
+def _count_tensors(v) -> int:
+    if isinstance(v, torch.Tensor):
+        return 1
+    if type(v) in (list, tuple):
+        return sum(_count_tensors(a) for a in v)
+    return 0
+
+
+def _out_alias(func, n_out, alias_first) -> tuple:
+    returns = func._schema.returns
+    out = [None] * n_out
+    if len(returns) == n_out:
+        for k, r in enumerate(returns):
+            if r.alias_info is not None and r.alias_info.is_write:
+                for s in r.alias_info.before_set:
+                    if s in alias_first:
+                        out[k] = alias_first[s]
+    return tuple(out)
+
+
+def build_plan(session, func, args, kwargs, inputs):
+    registry = session.ops
+    if func in _SYNC_OPS:
+        return FunctionPlan(lambda *a, **kw: _run_on_controller(func, a, kw))
+    mesh, view = _common_mesh(func, inputs)
+    decomposition = registry.decomposition_for(func)
+    if decomposition is not None:
+        return FunctionPlan(decomposition)
+    rule = registry.rule_for(func)
+    if rule is None:
+        return _fallback_plan(session, func)
+    plan = plan_direct(session, func, args, kwargs, inputs, rule, mesh, view)
+    return plan if plan is not None else _fallback_plan(session, func)
+
+
+def global_meta(func, args, kwargs, inputs, mesh):
+    specs = [_spec_of(x, mesh) for x in inputs]
+    metas = [_meta(s) for s in specs]
+    m_args, m_kwargs = _substitute(args, kwargs, lambda i: metas[i])
+    if "device" in m_kwargs:
+        m_kwargs["device"] = "meta"
+    try:
+        out = func(*m_args, **m_kwargs)
+    except Exception as exc:
+        raise OpError(f"{func}: invalid arguments for inputs {describe_inputs(inputs, mesh)}: {exc}") from exc
+    return specs, metas, m_args, m_kwargs, out
+
+
+def plan_direct(session, func, args, kwargs, inputs, rule: Rule, mesh, view, *, force_replicate=False):
+    """Choose placements for ``func`` with ``rule``; None if no strategy is valid."""
+    specs, metas, m_args, m_kwargs, meta_out = global_meta(func, args, kwargs, inputs, mesh)
+    flat_out, rebuild = flatten_outputs(meta_out)
+    n_in, n_out = len(inputs), len(flat_out)
+    mutated, alias_first = _mutated_inputs(func, args, kwargs)
+    out_alias = _out_alias(func, n_out, alias_first)
+    if force_replicate:
+        strategies = [Strategy((Replicate(),) * n_in, (Replicate(),) * n_out)]
+    else:
+        strategies = rule.strategies(OpCall(func, m_args, m_kwargs, tuple(metas), tuple(flat_out)))
+    nbytes = [max(1, s.dtype.itemsize) * _numel(s.shape) for s in specs]
+    per_dim = []
+    for m in range(mesh.ndim):
+        scored = []
+        for s in strategies:
+            if len(s.inputs) != n_in or len(s.outputs) != n_out:
+                raise OpError(f"rule for {func} returned {s} for {n_in} inputs and {n_out} outputs")
+            if any(s.inputs[i] != specs[i].placements[m] for i in mutated):
+                continue
+            if any(a is not None and s.outputs[k] != s.inputs[a] for k, a in enumerate(out_alias)):
+                continue
+            cost = sum(redistribute_cost(specs[i].placements[m], s.inputs[i], nbytes[i]) for i in range(n_in))
+            scored.append((cost, s))
+        scored.sort(key=lambda cs: cs[0])
+        per_dim.append(_dedupe(scored))
+    combos = sorted(itertools.product(*per_dim), key=lambda c: sum(cs[0] for cs in c))[:64]
+    template_args, template_kwargs = _substitute(args, kwargs, Slot)
+    for combo in combos:
+        chosen = [cs[1] for cs in combo]
+        in_pl = [tuple(c.inputs[i] for c in chosen) for i in range(n_in)]
+        out_pl = [tuple(c.outputs[k] for c in chosen) for k in range(n_out)]
+        in_specs = [attrs.evolve(specs[i], placements=in_pl[i]) for i in range(n_in)]
+        out_specs = [
+            None
+            if o is None
+            else TensorSpec(mesh, out_pl[k], tuple(o.shape), tuple(o.stride()), o.dtype)
+            for k, o in enumerate(flat_out)
+        ]
+        local = _localize_all(func, rule, mesh, in_specs, out_specs, template_args, template_kwargs, force_replicate)
+        if local is None:
+            continue
+        base, rank_args = local
+        plan_id = session.new_plan_id()
+        target = rule.kernel or func.name()
+        session.emit(
+            DefinePlan(
+                plan_id,
+                session.mesh_id(mesh),
+                target,
+                base[0],
+                base[1],
+                rank_args or None,
+                str(func),
+                bool(rule.kernel and session.kernel_is_seeded(rule.kernel)),
+            )
+        )
+        moves = tuple(plan_redistribute(specs[i].placements, in_pl[i]) for i in range(n_in))
+        out_views = tuple(None if s is None else view_for(s, view) for s in out_specs)
+        final_specs = tuple(
+            specs[a] if a is not None else s for s, a in zip(out_specs, out_alias)
+        )
+        return DirectPlan(
+            plan_id,
+            mesh,
+            moves,
+            final_specs,
+            out_views,
+            out_alias,
+            rebuild,
+            bool(rule.kernel and session.kernel_is_seeded(rule.kernel)),
+            session.mesh_id(mesh),
+        )
+    return None
+
+
+def _dedupe(scored):
+    seen = set()
+    out = []
+    for cost, s in scored:
+        if s not in seen:
+            seen.add(s)
+            out.append((cost, s))
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _localize_all(func, rule, mesh, in_specs, out_specs, t_args, t_kwargs, trusted):
+    """Per-rank arguments, checked on meta tensors of the local shapes; None if inconsistent."""
+    results = {}
+    checked = {}
+    for rank in mesh.ranks:
+        coord = root_coordinate(mesh, rank)
+        in_regions = tuple(shard_region(s.shape, s.placements, mesh.shape, coord) for s in in_specs)
+        out_regions = tuple(
+            None if s is None else shard_region(s.shape, s.placements, mesh.shape, coord) for s in out_specs
+        )
+        if rule.localize is not None:
+            a, kw = rule.localize(
+                LocalCall(t_args, dict(t_kwargs), in_regions, out_regions, tuple(in_specs), tuple(out_specs), coord)
+            )
+        else:
+            a, kw = t_args, t_kwargs
+        results[rank] = (a, kw)
+        if trusted or rule.kernel is not None:
+            continue
+        local_in = tuple(tuple(n for _, n in r) for r in in_regions)
+        ck = (local_in, repr(a), repr(kw))
+        if ck in checked:
+            if not checked[ck]:
+                return None
+            continue
+        expected = [None if r is None else tuple(n for _, n in r) for r in out_regions]
+        checked[ck] = ok = _check_local(func, a, kw, in_specs, local_in, expected)
+        if not ok:
+            return None
+    base_rank = mesh.ranks[0]
+    base = results[base_rank]
+    rank_args = {r: v for r, v in results.items() if r != base_rank and (repr(v) != repr(base))}
+    return base, rank_args
+
+
+def _check_local(func, a, kw, in_specs, local_in, expected) -> bool:
+    metas = [torch.empty(shape, dtype=s.dtype, device="meta") for shape, s in zip(local_in, in_specs)]
+    args = _fill_slots(a, metas)
+    kwargs = {k: _fill_slots(v, metas) for k, v in kw.items()}
+    if "device" in kwargs:
+        kwargs["device"] = "meta"
+    try:
+        out = func(*args, **kwargs)
+    except Exception:
+        return False
+    flat, _ = flatten_outputs(out)
+    if len(flat) != len(expected):
+        return False
+    for o, e in zip(flat, expected):
+        if (o is None) != (e is None):
+            return False
+        if o is not None and tuple(o.shape) != e:
+            return False
+    return True
+
+
+def _fill_slots(x, values):
+    if type(x) is Slot:
+        return values[x.index]
+    if type(x) is tuple or type(x) is list:
+        return type(x)(_fill_slots(a, values) for a in x)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# fallback and controller-side runs
+# ---------------------------------------------------------------------------------------------
+_REPLICATE_RULE = Rule(lambda call: [])
+
+
+def _fallback_plan(session, func):
+    name = str(func)
+
+    def run(*args, **kwargs):
+        return replicated_fallback(session, func, args, kwargs)
+
+    if session.strict:
+        raise FallbackRefusedError(
+            f"{name} has no sharding rule and strict mode is on; register a rule "
+            "(dtorch_register_ops) or turn strict mode off"
+        )
+    return FunctionPlan(run)
+
+
+def replicated_fallback(session, func, args, kwargs):
+    """Gather every input to Replicate, run the op on each rank, write mutated inputs back."""
+    name = str(func)
+    session.count_fallback(name)
+    inputs: list = []
+    _key_of((args, kwargs), inputs)
+    mesh, view = _common_mesh(func, inputs)
+    replicated = {}
+    for x in inputs:
+        if type(x) is DTensor and id(x) not in replicated:
+            replicated[id(x)] = redistribute_now(x, (Replicate(),) * mesh.ndim)
+    r_args, r_kwargs = _substitute(
+        args, kwargs, lambda i: replicated.get(id(inputs[i]), inputs[i])
+    )
+    rep_inputs = [replicated.get(id(x), x) for x in inputs]
+    rule = Rule(lambda call: [], kernel="dtorch::seeded" if _is_random(func) else None)
+    plan = plan_direct(session, func, r_args, r_kwargs, rep_inputs, rule, mesh, view, force_replicate=True)
+    out = plan.run(session, r_args, r_kwargs, rep_inputs)
+    mutated, _ = _mutated_inputs(func, args, kwargs)
+    written = {}
+    for i in sorted(mutated):
+        x = inputs[i]
+        if type(x) is DTensor and id(x) not in written:
+            written[id(x)] = x
+            with torch.no_grad():
+                aten.copy_.default(x, replicated[id(x)])
+    if written:
+        out = map_structure(out, lambda t: written.get(id(_rep_source(t, replicated, inputs)), t))
+    return out
+
+
+def _rep_source(t, replicated, inputs):
+    for x in inputs:
+        if replicated.get(id(x)) is t:
+            return x
+    return t
+
+
+def _is_random(func) -> bool:
+    return torch.Tag.nondeterministic_seeded in func.tags
+
+
+def _run_on_controller(func, args, kwargs):
+    from .api import fetch_full
+
+    values = []
+    _key_of((args, kwargs), values)
+    fulls = [fetch_full(v) if type(v) is DTensor else v for v in values]
+    plain_args, plain_kwargs = _substitute(args, kwargs, lambda i: fulls[i])
+    return func(*plain_args, **plain_kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# redistribution on the controller (no autograd: see api for the differentiable one)
+# ---------------------------------------------------------------------------------------------
+def redistribute_now(x: DTensor, placements: tuple, view: DeviceMesh | None = None) -> DTensor:
+    from .runtime.session import current_session
+
+    session = current_session()
+    spec = x._spec
+    steps = plan_redistribute(spec.placements, tuple(placements))
+    new_spec = spec.with_placements(placements)
+    if not steps:
+        tid = session.new_tid()
+        session.emit(Collective("alias", session.mesh_id(spec.mesh), 0, x._tid, tid))
+        return DTensor._make(new_spec, view or view_for(new_spec, x._view), tid, session)
+    mesh_id = session.mesh_id(spec.mesh)
+    tid = x._tid
+    temps = []
+    for step in steps:
+        new = session.new_tid()
+        session.emit(Collective(step.kind, mesh_id, step.mesh_dim, tid, new, step.dim, step.reduce_op, step.dim2))
+        temps.append(new)
+        tid = new
+    session.release_many(temps[:-1])
+    return DTensor._make(new_spec, view or view_for(new_spec, x._view), tid, session)
+
+
+def warn_fallback_once(name: str) -> None:
+    warnings.warn(
+        f"dtorch: {name} has no sharding rule; it runs replicated (inputs gathered). "
+        "See dt.fallback_counts(); strict mode raises instead.",
+        stacklevel=4,
+    )
+
+
+def dispatch_direct(func, args, kwargs):
+    """Plan ``func`` with its rule, skipping its decomposition (for use inside decompositions)."""
+    from .runtime.session import current_session
+
+    session = current_session()
+    inputs: list = []
+    key = ("direct", func, _key_of(args, inputs), _key_of(tuple(kwargs.values()), inputs), tuple(kwargs))
+    plan = session.plans.get(key)
+    if plan is None:
+        mesh, view = _common_mesh(func, inputs)
+        rule = session.ops.rule_for(func)
+        plan = None if rule is None else plan_direct(session, func, args, kwargs, inputs, rule, mesh, view)
+        if plan is None:
+            plan = _fallback_plan(session, func)
+        session.plans[key] = plan
+    return plan.run(session, args, kwargs, inputs)
+
+
+def plan_factory(kind: str, spec: TensorSpec, view: DeviceMesh, fill):
+    """Create a tensor directly on the workers (each rank makes only its own shard)."""
+    from .runtime.session import current_session
+
+    session = current_session()
+    key = ("factory", kind, spec, view, fill)
+    plan = session.plans.get(key)
+    if plan is None:
+        mesh = spec.mesh
+        mesh_id = session.mesh_id(mesh)
+        seeded = kind in ("rand", "randn")
+        per_rank = {}
+        for rank in mesh.ranks:
+            region = spec.region(root_coordinate(mesh, rank))
+            kw = {"kind": kind, "shape": spec.shape, "region": region, "dtype": spec.dtype,
+                  "fill": fill, "device": mesh.device_type}
+            for m, p in enumerate(spec.placements):
+                if isinstance(p, Partial) and p.reduce_op == "sum" and root_coordinate(mesh, rank)[m] != 0:
+                    kw["kind"] = "zeros"
+            per_rank[rank] = ((), kw)
+        base = per_rank.pop(mesh.ranks[0])
+        rank_args = {r: v for r, v in per_rank.items() if v != base}
+        plan_id = session.new_plan_id()
+        session.emit(DefinePlan(plan_id, mesh_id, "dtorch::factory", base[0], base[1], rank_args or None,
+                                f"dtorch.{kind}", seeded))
+        plan = DirectPlan(plan_id, mesh, (), (spec,), (view,), (None,), lambda outs: outs[0], seeded, mesh_id)
+        session.plans[key] = plan
+    return plan.run(session, (), {}, [])

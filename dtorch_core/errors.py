@@ -1,0 +1,45 @@
+"""Typed errors. Each says what went wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class DTorchError(RuntimeError):
+    """Base class of every error dtorch raises on purpose."""
+
+
+class NotInitializedError(DTorchError):
+    """An API that needs a session was called before ``dt.init()``."""
+
+
+class MeshMismatchError(DTorchError):
+    """Distributed tensors on different device meshes met in one op."""
+
+
+class PlacementError(DTorchError):
+    """A placement is invalid for the tensor or mesh it was given with."""
+
+
+class OpError(DTorchError):
+    """An op cannot be planned on the controller (shape error, unsupported arguments, ...)."""
+
+
+class FallbackRefusedError(OpError):
+    """Strict mode is on and an op has no sharding rule."""
+
+
+class WorkerError(DTorchError):
+    """A kernel failed on a worker; raised at the next read of an affected tensor."""
+
+    def __init__(self, message: str, *, rank: int, op: str, source: str | None):
+        super().__init__(message)
+        self.rank = rank
+        self.op = op
+        self.source = source
+
+
+class WorkerLostError(DTorchError):
+    """A worker stopped answering or died."""
+
+
+class PluginError(DTorchError):
+    """A plugin failed to load or registered something invalid."""

@@ -1,0 +1,1 @@
+"""The instruction stream that the controller sends and the workers execute."""

@@ -1,0 +1,120 @@
+"""Instructions: attrs values that a runner carries from the controller to every worker.
+
+Every worker receives the same stream. Per-rank differences (uneven shard sizes, regions) are
+inside the values, keyed by rank, so the stream itself never forks. Tensor ids are ints chosen
+by the controller. ``Slot(i)`` in a plan's argument template stands for the i-th input tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen
+class Slot:
+    """Placeholder for the ``index``-th tensor input of a ``Call``."""
+
+    index: int
+
+
+@attrs.frozen
+class DefineMesh:
+    mesh_id: int
+    shape: tuple
+    ranks: tuple
+
+
+@attrs.frozen
+class DefinePlan:
+    """A local call template: ``target`` (an op name or kernel name) with arguments.
+
+    ``rank_args`` maps rank -> (args, kwargs) where a rank's arguments differ from the template.
+    """
+
+    plan_id: int
+    mesh_id: int
+    target: str
+    args: tuple
+    kwargs: dict
+    rank_args: dict | None
+    op_name: str  # the user-level op, for error messages
+    seeded: bool = False  # the kernel takes ``seed=`` from each Call
+
+
+@attrs.frozen
+class Call:
+    plan_id: int
+    inputs: tuple
+    outputs: tuple  # tensor ids of the flattened outputs (-1: not kept)
+    source: str | None = None
+    seed: int | None = None
+
+
+@attrs.frozen
+class Collective:
+    """One redistribution step along one mesh dim (``kind`` in COLLECTIVE_KINDS)."""
+
+    kind: str
+    mesh_id: int
+    mesh_dim: int
+    src: int
+    dst: int
+    dim: int = 0  # tensor dim for gather/scatter/chunk kinds
+    reduce_op: str = "sum"
+    dim2: int = 0  # destination tensor dim for all_to_all
+
+
+COLLECTIVE_KINDS = ("alias", "all_gather", "all_reduce", "reduce_scatter", "local_chunk", "to_partial", "all_to_all")
+COMMUNICATING_KINDS = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
+
+
+@attrs.frozen
+class Put:
+    """Store a tensor per rank (``shards`` maps rank -> tensor) under ``tid``."""
+
+    tid: int
+    mesh_id: int
+    shards: dict
+
+
+@attrs.frozen
+class Delete:
+    tids: tuple
+
+
+@attrs.frozen
+class Fetch:
+    """Reply with the local tensor ``tid`` from each rank in ``ranks``."""
+
+    tid: int
+    request_id: int
+    ranks: tuple
+
+
+@attrs.frozen
+class Stats:
+    """Reply with the worker's memory statistics."""
+
+    request_id: int
+
+
+@attrs.frozen
+class Reply:
+    """What a worker sends back: ``value`` or ``error`` (a WorkerFailure)."""
+
+    request_id: int
+    rank: int
+    value: Any = None
+    error: Any = None
+
+
+@attrs.frozen
+class WorkerFailure:
+    """Why a tensor on a worker is not available: the failing op, its source line, the error."""
+
+    rank: int
+    op: str
+    source: str | None
+    message: str

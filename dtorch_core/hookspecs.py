@@ -1,0 +1,79 @@
+"""The plugin contract of dtorch: every hook a plugin may implement, and nothing else.
+
+Plugins are ordinary pluggy plugins found through the entry-point group ``dtorch``; the builtins
+are registered the same way. Registration hooks receive a registry object and call
+``registry.add(...)``; they are all called once, when the plugin manager is first built, in
+pluggy's order (later-registered plugins first), and their return values are ignored.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("dtorch")
+hookimpl = pluggy.HookimplMarker("dtorch")
+
+
+@hookspec
+def dtorch_register_ops(registry) -> None:
+    """Add placement signatures (sharding rules) for operators.
+
+    ``registry`` is a :class:`dtorch_core.ops.registry.OpRegistry`; call
+    ``registry.add(op, rule)`` where ``op`` is an ``OpOverload`` or ``OpOverloadPacket`` and
+    ``rule`` a function ``(OpCall) -> list[Strategy]``. Called once at start-up.
+    """
+
+
+@hookspec
+def dtorch_register_kernels(registry) -> None:
+    """Add worker kernels: ``registry.add(name, fn, device_type=None)``.
+
+    A kernel named like an aten op (``"aten::mm"``) replaces the default (the aten op on the
+    local shards) for that op, optionally only on one device type. Other names are kernels that
+    sharding rules refer to. Called once per process that runs workers.
+    """
+
+
+@hookspec
+def dtorch_register_streams(registry) -> None:
+    """Add stream factories per device type: ``registry.add(device_type, factory)``.
+
+    ``factory(device)`` returns an object with ``run(fn)`` and ``synchronize()``. The builtin
+    ``cpu`` stream runs in order on the worker thread.
+    """
+
+
+@hookspec
+def dtorch_register_communicators(registry) -> None:
+    """Add communicator factories: ``registry.add(name, factory)``.
+
+    A communicator moves tensors between the workers of a mesh dim group (all-gather,
+    all-reduce, reduce-scatter, all-to-all). Runners pick one by name.
+    """
+
+
+@hookspec
+def dtorch_register_transports(registry) -> None:
+    """Add transports that carry instruction batches to workers: ``registry.add(name, factory)``."""
+
+
+@hookspec
+def dtorch_register_runners(registry) -> None:
+    """Add runners: ``registry.add(name, factory)`` with ``factory(world_size, options) -> Runner``.
+
+    The runner named by ``dt.init(runner=...)``, ``DTORCH_RUNNER`` or ``dtorch run --runner`` is
+    looked up here.
+    """
+
+
+@hookspec
+def dtorch_register_model_families(registry) -> None:
+    """Add model families (parallel plans and pipelines): ``registry.add(name, family)``."""
+
+
+@hookspec
+def dtorch_register_cli_commands(registry) -> None:
+    """Add ``dtorch`` sub-commands: ``registry.add(name, command)``.
+
+    ``command`` has ``help`` (str), ``configure(parser)`` and ``run(args) -> int``.
+    """

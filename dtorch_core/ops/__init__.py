@@ -1,0 +1,1 @@
+"""Operator registry and placement signatures (sharding rules) per op family."""

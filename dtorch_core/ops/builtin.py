@@ -1,0 +1,17 @@
+"""The builtin operator plugin: sharding rules and worker kernels for aten ops."""
+
+from __future__ import annotations
+
+from ..hookspecs import hookimpl
+from . import foreach, indexing, kernels, matmul, nn, pointwise, reductions, views
+
+
+@hookimpl
+def dtorch_register_ops(registry) -> None:
+    for family in (pointwise, reductions, matmul, views, indexing, nn, foreach):
+        family.register(registry)
+
+
+@hookimpl
+def dtorch_register_kernels(registry) -> None:
+    kernels.register(registry)

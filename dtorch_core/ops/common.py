@@ -1,0 +1,119 @@
+"""Building blocks for placement signatures."""
+
+from __future__ import annotations
+
+from ..placement import Partial, Replicate, Shard
+from .registry import Strategy
+
+R = Replicate()
+LINEAR_PARTIALS = (Partial("sum"), Partial("avg"))
+ALL_PARTIALS = (Partial("sum"), Partial("avg"), Partial("max"), Partial("min"))
+
+
+def replicate_all(call) -> Strategy:
+    return Strategy((R,) * len(call.inputs), (R,) * len(call.outputs))
+
+
+def dim_map_strategies(call, in_to_out: dict, *, partials=LINEAR_PARTIALS, extra_inputs=None):
+    """Input 0 dims map to output dims (``in_to_out``: input dim -> output dim for every output).
+
+    Other tensor inputs must be Replicate unless ``extra_inputs(d)`` gives their placements for
+    a shard of input dim ``d``. Partial placements in ``partials`` pass straight through.
+    """
+    n_in, n_out = len(call.inputs), len(call.outputs)
+    out = [replicate_all(call)]
+    for d, od in in_to_out.items():
+        if od is None:
+            continue
+        rest = extra_inputs(d) if extra_inputs else (R,) * (n_in - 1)
+        if rest is None:
+            continue
+        outs = tuple(R if o is None else Shard(od) for o in call.outputs)
+        out.append(Strategy((Shard(d),) + tuple(rest), outs))
+    for p in partials:
+        outs = tuple(R if o is None else p for o in call.outputs)
+        out.append(Strategy((p,) + (R,) * (n_in - 1), outs))
+    return out
+
+
+def pointwise_strategies(call, linear=(), skip_dims=(), partial_ops=LINEAR_PARTIALS):
+    """Elementwise ops with broadcasting.
+
+    ``linear``: a list of input-index sets; for each set, the op is linear in those inputs taken
+    together (e.g. ``[{0, 1}]`` for add, ``[{0}, {1}]`` for mul), so Partial inputs in the set
+    (with every other input Replicate) give a Partial output. ``skip_dims``: output dims that
+    must not be sharded (e.g. the softmax dim).
+    """
+    ref = next((o for o in call.outputs if o is not None), None)
+    n_in, n_out = len(call.inputs), len(call.outputs)
+    if ref is None:
+        return [replicate_all(call)]
+    nd = ref.ndim
+    shape = tuple(ref.shape)
+    skip = {d % nd for d in skip_dims} if nd else set()
+    strategies = [replicate_all(call)]
+    same_outputs = all(o is None or tuple(o.shape) == shape for o in call.outputs)
+    if same_outputs:
+        for d in range(nd):
+            if d in skip:
+                continue
+            ins = []
+            for t in call.inputs:
+                td = d - (nd - t.ndim)
+                ins.append(Shard(td) if td >= 0 and t.shape[td] == shape[d] and t.ndim <= nd else R)
+            if all(p == R for p in ins):
+                continue
+            strategies.append(Strategy(tuple(ins), tuple(R if o is None else Shard(d) for o in call.outputs)))
+    for group in linear:
+        if not all(i < n_in for i in group):
+            continue
+        for p in partial_ops:
+            ins = tuple(p if i in group else R for i in range(n_in))
+            strategies.append(Strategy(ins, tuple(R if o is None else p for o in call.outputs)))
+    return strategies
+
+
+def view_dim_map(in_shape, out_shape) -> dict:
+    """For a reshape: input dim -> output dim where a shard of the input dim can stay a shard.
+
+    Dims are grouped where their products match; inside a group the first non-1 input dim maps
+    to the first non-1 output dim. The dispatcher rejects uneven cases by checking local shapes.
+    """
+    mapping = {}
+    i = j = 0
+    ni, no = len(in_shape), len(out_shape)
+    while i < ni and j < no:
+        if in_shape[i] == 1 and out_shape[j] != 1:
+            i += 1
+            continue
+        if out_shape[j] == 1 and in_shape[i] != 1:
+            j += 1
+            continue
+        gi, gj = i, j
+        pi, pj = in_shape[i], out_shape[j]
+        i += 1
+        j += 1
+        while pi != pj:
+            if pi < pj:
+                if i >= ni:
+                    break
+                pi *= in_shape[i]
+                i += 1
+            else:
+                if j >= no:
+                    break
+                pj *= out_shape[j]
+                j += 1
+        if pi == pj and in_shape[gi] != 1 and out_shape[gj] != 1:
+            mapping[gi] = gj
+    return mapping
+
+
+def shards_of(t, d):
+    return Shard(d) if 0 <= d < t.ndim else R
+
+
+def add_all(registry, packet, rule, **kw) -> None:
+    """Register ``rule`` for every overload of ``packet`` (replacing earlier rules)."""
+    for name in packet.overloads():
+        registry.add(getattr(packet, name), rule, replace=True, **kw)

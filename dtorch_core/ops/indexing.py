@@ -1,0 +1,108 @@
+"""Joining and indexing: cat, stack, index_select, gather, scatter_add, index_add."""
+
+from __future__ import annotations
+
+import torch
+
+from ..placement import Shard
+from .common import ALL_PARTIALS, LINEAR_PARTIALS, R, add_all, replicate_all
+from .registry import Strategy
+
+aten = torch.ops.aten
+
+
+def _norm(d, nd):
+    return d % nd if nd else 0
+
+
+def cat_rule(call):
+    out = call.outputs[0]
+    nd = out.ndim
+    dim = _norm(call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", 0), nd)
+    n = len(call.inputs)
+    strategies = [replicate_all(call)]
+    for d in range(nd):
+        if d == dim:
+            continue
+        ins = tuple(Shard(d) if t.ndim == nd else R for t in call.inputs)  # legacy empty 1-D inputs
+        strategies.append(Strategy(ins, (Shard(d),)))
+    for p in ALL_PARTIALS:
+        strategies.append(Strategy((p,) * n, (p,)))
+    return strategies
+
+
+def stack_rule(call):
+    x = call.inputs[0]
+    dim = _norm(call.args[1] if len(call.args) > 1 else call.kwargs.get("dim", 0), x.ndim + 1)
+    n = len(call.inputs)
+    strategies = [replicate_all(call)]
+    for d in range(x.ndim):
+        strategies.append(Strategy((Shard(d),) * n, (Shard(d if d < dim else d + 1),)))
+    for p in ALL_PARTIALS:
+        strategies.append(Strategy((p,) * n, (p,)))
+    return strategies
+
+
+def index_select_rule(call):
+    x = call.inputs[0]
+    dim = _norm(call.args[1], x.ndim)
+    strategies = [replicate_all(call)]
+    for d in range(x.ndim):
+        if d != dim:
+            strategies.append(Strategy((Shard(d), R), (Shard(d),)))
+    if call.inputs[1].ndim == 1:
+        strategies.append(Strategy((R, Shard(0)), (Shard(dim),)))
+    for p in ALL_PARTIALS:
+        strategies.append(Strategy((p, R), (p,)))
+    return strategies
+
+
+def gather_rule(call):
+    x, index = call.inputs[0], call.inputs[1]
+    dim = _norm(call.args[1], x.ndim)
+    strategies = [replicate_all(call)]
+    for d in range(x.ndim):
+        if d == dim:
+            strategies.append(Strategy((R, Shard(d)), (Shard(d),)))
+        elif x.shape[d] == index.shape[d]:
+            strategies.append(Strategy((Shard(d), Shard(d)), (Shard(d),)))
+    for p in ALL_PARTIALS:
+        strategies.append(Strategy((p, R), (p,)))
+    return strategies
+
+
+def scatter_add_rule(call):
+    # scatter_add(self, dim, index, src): dims other than ``dim`` with equal sizes shard together
+    x = call.inputs[0]
+    dim = _norm(call.args[1], x.ndim)
+    strategies = [replicate_all(call)]
+    for d in range(x.ndim):
+        if d != dim and all(t.ndim == x.ndim and t.shape[d] == x.shape[d] for t in call.inputs):
+            strategies.append(Strategy((Shard(d),) * 3, (Shard(d),)))
+    for p in LINEAR_PARTIALS:
+        strategies.append(Strategy((p, R, p), (p,)))
+    return strategies
+
+
+def index_add_rule(call):
+    # index_add(self, dim, index, source, alpha): every dim but ``dim`` shards self and source
+    x = call.inputs[0]
+    dim = _norm(call.args[1], x.ndim)
+    strategies = [replicate_all(call)]
+    for d in range(x.ndim):
+        if d != dim:
+            strategies.append(Strategy((Shard(d), R, Shard(d)), (Shard(d),)))
+    for p in LINEAR_PARTIALS:
+        strategies.append(Strategy((p, R, p), (p,)))
+    return strategies
+
+
+def register(registry) -> None:
+    registry.add(aten.cat.default, cat_rule, replace=True)
+    registry.add(aten.stack.default, stack_rule, replace=True)
+    registry.add(aten.index_select.default, index_select_rule, replace=True)
+    registry.add(aten.gather.default, gather_rule, replace=True)
+    for packet in (aten.scatter_add, aten.scatter_add_):
+        add_all(registry, packet, scatter_add_rule)
+    for packet in (aten.index_add, aten.index_add_):
+        add_all(registry, packet, index_add_rule)

@@ -1,0 +1,146 @@
+"""View and shape ops: view/reshape, expand, transpose/permute, squeeze/unsqueeze, select,
+slice, split, unbind, and the backward ops that rebuild a shape (slice/select_backward)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..placement import Shard
+from .common import ALL_PARTIALS, LINEAR_PARTIALS, R, add_all, dim_map_strategies, view_dim_map
+from .registry import Rule, Strategy
+
+aten = torch.ops.aten
+
+
+def _norm(d, nd):
+    return d % nd if nd else 0
+
+
+def view_rule(call):
+    x, out = call.inputs[0], call.outputs[0]
+    return dim_map_strategies(call, view_dim_map(tuple(x.shape), tuple(out.shape)), partials=ALL_PARTIALS)
+
+
+def local_out_shape_arg(index):
+    """localize: replace the size argument at ``args[index]`` with the local output shape."""
+
+    def localize(local):
+        args = list(local.args)
+        args[index] = [n for _, n in local.out_regions[0]]
+        return tuple(args), local.kwargs
+
+    return localize
+
+
+def expand_rule(call):
+    x, out = call.inputs[0], call.outputs[0]
+    off = out.ndim - x.ndim
+    mapping = {d: d + off for d in range(x.ndim) if x.shape[d] == out.shape[d + off]}
+    return dim_map_strategies(call, mapping, partials=ALL_PARTIALS)
+
+
+def permute_rule(call):
+    x = call.inputs[0]
+    dims = [_norm(d, x.ndim) for d in call.args[1]]
+    return dim_map_strategies(call, {d: dims.index(d) for d in range(x.ndim)}, partials=ALL_PARTIALS)
+
+
+def transpose_rule(call):
+    x = call.inputs[0]
+    nd = x.ndim
+    if call.op == aten.t.default:
+        d0, d1 = 0, max(nd - 1, 0)
+    else:
+        d0, d1 = _norm(call.args[1], nd), _norm(call.args[2], nd)
+    mapping = {d: d for d in range(nd)}
+    if nd:
+        mapping[d0], mapping[d1] = d1, d0
+    return dim_map_strategies(call, mapping, partials=ALL_PARTIALS)
+
+
+def squeeze_rule(call):
+    x, out = call.inputs[0], call.outputs[0]
+    nd = x.ndim
+    if len(call.args) > 1:
+        dims = call.args[1] if isinstance(call.args[1], (list, tuple)) else [call.args[1]]
+        dims = {_norm(d, nd) for d in dims if x.shape[_norm(d, nd)] == 1}
+    else:
+        dims = {d for d in range(nd) if x.shape[d] == 1}
+    mapping, o = {}, 0
+    for d in range(nd):
+        if d in dims:
+            continue
+        mapping[d] = o
+        o += 1
+    return dim_map_strategies(call, mapping, partials=ALL_PARTIALS)
+
+
+def unsqueeze_rule(call):
+    x = call.inputs[0]
+    at = _norm(call.args[1], x.ndim + 1)
+    return dim_map_strategies(call, {d: d if d < at else d + 1 for d in range(x.ndim)}, partials=ALL_PARTIALS)
+
+
+def keep_dims_except(dim_arg_index, drop=False):
+    """Ops that work along one dim (select, slice, split, unbind, narrow...): that dim must be
+    whole; the others keep their shards (shifted down if ``drop`` removes the dim)."""
+
+    def strategies(call):
+        x = call.inputs[0]
+        nd = x.ndim
+        dim = call.args[dim_arg_index] if len(call.args) > dim_arg_index else call.kwargs.get("dim", 0)
+        dim = _norm(dim, nd)
+        mapping = {}
+        for d in range(nd):
+            if d == dim:
+                continue
+            mapping[d] = d - 1 if drop and d > dim else d
+        return dim_map_strategies(call, mapping, partials=ALL_PARTIALS)
+
+    return strategies
+
+
+def rebuild_backward(dim_arg_index, drop):
+    """slice_backward / select_backward(grad, input_sizes, dim, ...): the inverse mapping."""
+
+    def strategies(call):
+        out = call.outputs[0]
+        nd = out.ndim
+        dim = _norm(call.args[dim_arg_index], nd)
+        mapping = {}
+        for d in range(nd):
+            if d == dim:
+                continue
+            gd = d - 1 if drop and d > dim else d
+            mapping[gd] = d
+        return dim_map_strategies(call, mapping, partials=LINEAR_PARTIALS)
+
+    return Rule(strategies, local_out_shape_arg(1))
+
+
+def register(registry) -> None:
+    for op in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        registry.add(op, Rule(view_rule, local_out_shape_arg(1)), replace=True)
+    registry.add(aten.expand.default, Rule(expand_rule, local_out_shape_arg(1)), replace=True)
+    registry.add(aten.permute.default, permute_rule, replace=True)
+    for op in (aten.transpose.int, aten.t.default):
+        registry.add(op, transpose_rule, replace=True)
+    add_all(registry, aten.squeeze, squeeze_rule)
+    registry.add(aten.unsqueeze.default, unsqueeze_rule, replace=True)
+    registry.add(aten.select.int, keep_dims_except(1, drop=True), replace=True)
+    registry.add(aten.slice.Tensor, keep_dims_except(1), replace=True)
+    registry.add(aten.narrow.default, keep_dims_except(1), replace=True)
+    registry.add(aten.split.Tensor, keep_dims_except(2), replace=True)
+    registry.add(aten.split_with_sizes.default, keep_dims_except(2), replace=True)
+    registry.add(aten.unbind.int, keep_dims_except(1, drop=True), replace=True)
+    registry.add(aten.slice_backward.default, rebuild_backward(2, drop=False), replace=True)
+    registry.add(aten.select_backward.default, rebuild_backward(2, drop=True), replace=True)
+    for packet in (aten.flip,):
+        add_all(registry, packet, _flip_like)
+
+
+def _flip_like(call):
+    x = call.inputs[0]
+    dims = call.args[1] if len(call.args) > 1 else ()
+    dims = {_norm(d, x.ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    return dim_map_strategies(call, {d: d for d in range(x.ndim) if d not in dims}, partials=ALL_PARTIALS)

@@ -1,0 +1,125 @@
+"""Builtin runners: ``inline`` (synchronous, in the caller's thread) and ``thread``."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import structlog
+import torch
+
+from ..comm.inprocess import InProcessExchange, LockstepExchange
+from ..errors import WorkerLostError
+from .worker import Worker
+
+log = structlog.get_logger(__name__)
+
+
+class Runner:
+    """Base: collects replies from workers; subclasses deliver batches.
+
+    Interface used by the session: ``submit(batch)``, ``wait_replies(request_id, count,
+    timeout)``, ``shutdown()``, and the attributes ``name`` and ``world_size``.
+    """
+
+    name = "?"
+
+    def __init__(self, world_size: int, device_type: str = "cpu"):
+        self.world_size = world_size
+        self.device_type = device_type
+        self._replies: dict = {}
+        self._cond = threading.Condition()
+        self._dead: dict = {}
+
+    def _reply(self, reply) -> None:
+        with self._cond:
+            self._replies.setdefault(reply.request_id, []).append(reply)
+            self._cond.notify_all()
+
+    def wait_replies(self, request_id: int, count: int, timeout: float) -> list:
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: len(self._replies.get(request_id, ())) >= count or self._dead, timeout
+            )
+            if self._dead:
+                rank, reason = next(iter(self._dead.items()))
+                raise WorkerLostError(f"worker rank {rank} ({self.name} runner) died: {reason}")
+            if not ok:
+                raise WorkerLostError(
+                    f"no reply from the workers within {timeout:.0f}s (timeout set by DTORCH_TIMEOUT or "
+                    f"dt.init(timeout=...)); a worker may be stuck in a kernel or a collective"
+                )
+            return self._replies.pop(request_id)
+
+    def _make_workers(self, exchange) -> list[Worker]:
+        from ..plugins import get_plugins
+
+        kernels = get_plugins().registry("kernels")
+        device = torch.device(self.device_type)
+        return [Worker(r, device, kernels, exchange, self._reply) for r in range(self.world_size)]
+
+    def shutdown(self) -> None:
+        pass
+
+
+class InlineRunner(Runner):
+    """Executes every batch at once in the controller's thread, rank by rank (the reference)."""
+
+    name = "inline"
+
+    def __init__(self, world_size: int, device_type: str = "cpu", **_options):
+        super().__init__(world_size, device_type)
+        self.workers = self._make_workers(LockstepExchange())
+
+    def submit(self, batch) -> None:
+        for ins in batch:
+            for w in self.workers:
+                w.execute(ins)
+            for w in self.workers:
+                if w.pending:
+                    w.finish_pending()
+
+
+class ThreadRunner(Runner):
+    """One worker thread per device; batches go through in-process queues."""
+
+    name = "thread"
+
+    def __init__(self, world_size: int, device_type: str = "cpu", timeout: float = 300.0, **_options):
+        super().__init__(world_size, device_type)
+        self.exchange = InProcessExchange(timeout=timeout)
+        self.workers = self._make_workers(self.exchange)
+        self.queues = [queue.SimpleQueue() for _ in range(world_size)]
+        self.threads = [
+            threading.Thread(target=self._loop, args=(r,), name=f"dtorch-worker-{r}", daemon=True)
+            for r in range(world_size)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def submit(self, batch) -> None:
+        for q in self.queues:
+            q.put(batch)
+
+    def _loop(self, rank: int) -> None:
+        worker = self.workers[rank]
+        q = self.queues[rank]
+        while True:
+            batch = q.get()
+            if batch is None:
+                return
+            try:
+                worker.run_batch(batch)
+            except BaseException as exc:  # a bug in the worker itself, not in a kernel
+                worker.log.error("worker crashed", error=repr(exc))
+                with self._cond:
+                    self._dead[rank] = repr(exc)
+                    self._cond.notify_all()
+                self.exchange.abort(f"worker {rank} crashed")
+                return
+
+    def shutdown(self) -> None:
+        for q in self.queues:
+            q.put(None)
+        for t in self.threads:
+            t.join(timeout=10)

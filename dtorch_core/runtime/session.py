@@ -1,0 +1,220 @@
+"""The controller session: ids, the instruction stream, batching, reads."""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import warnings
+
+import structlog
+import torch
+
+from ..errors import NotInitializedError, WorkerError
+from ..graph.instructions import DefineMesh, Delete, Fetch, Put, Stats
+
+log = structlog.get_logger(__name__)
+
+_session = None
+
+
+def current_session() -> "Session":
+    if _session is None:
+        raise NotInitializedError("dtorch is not initialised; call dt.init(world_size=...) first")
+    return _session
+
+
+def set_session(session) -> None:
+    global _session
+    _session = session
+
+
+class Session:
+    """Owns the runner and everything the controller tracks between ops."""
+
+    def __init__(self, runner, *, strict=False, track_source=True, batch_size=256,
+                 flush_interval=0.002, timeout=300.0):
+        from ..plugins import get_plugins
+
+        plugins = get_plugins()
+        self.runner = runner
+        self.world_size = runner.world_size
+        self.ops = plugins.registry("ops")
+        self.kernels = plugins.registry("kernels")
+        self.strict = strict
+        self.track_source = track_source
+        self.batch_size = batch_size
+        self.timeout = timeout
+        self.plans: dict = {}
+        self.fallback_counts: collections.Counter = collections.Counter()
+        self._warned: set = set()
+        self._tid = 0
+        self._plan = 0
+        self._request = 0
+        self._meshes: dict = {}
+        self._pending: list = []
+        self._releases: list = []
+        self._lock = threading.RLock()
+        self._seed = 0
+        self._seed_counter = 0
+        self._closed = False
+        self._devices: dict = {}
+        self._flusher = None
+        if flush_interval and runner.name != "inline":
+            self._stop = threading.Event()
+            self._flusher = threading.Thread(
+                target=self._flush_loop, args=(flush_interval,), name="dtorch-flush", daemon=True
+            )
+            self._flusher.start()
+
+    # -- ids ------------------------------------------------------------------------------
+    def new_tid(self) -> int:
+        self._tid += 1
+        return self._tid
+
+    def new_plan_id(self) -> int:
+        self._plan += 1
+        return self._plan
+
+    def mesh_id(self, mesh) -> int:
+        mid = self._meshes.get(mesh)
+        if mid is None:
+            mid = self.define_mesh(mesh)
+        return mid
+
+    def define_mesh(self, mesh) -> int:
+        mesh = mesh.root
+        mid = self._meshes.get(mesh)
+        if mid is None:
+            mid = self._meshes[mesh] = len(self._meshes) + 1
+            self.emit(DefineMesh(mid, mesh.shape, mesh.ranks))
+        return mid
+
+    def device_for(self, device_type: str) -> torch.device:
+        dev = self._devices.get(device_type)
+        if dev is None:
+            dev = self._devices[device_type] = torch.device(device_type)
+        return dev
+
+    def kernel_is_seeded(self, name: str) -> bool:
+        return self.kernels.is_seeded(name)
+
+    # -- random ---------------------------------------------------------------------------
+    def manual_seed(self, seed: int) -> None:
+        self._seed = int(seed)
+        self._seed_counter = 0
+
+    def next_seed(self) -> int:
+        self._seed_counter += 1
+        return (self._seed * 1_000_003 + self._seed_counter * 7_919) % (2**62)
+
+    # -- stream ---------------------------------------------------------------------------
+    def emit(self, ins) -> None:
+        with self._lock:
+            self._pending.append(ins)
+            if len(self._pending) >= self.batch_size:
+                self._flush_locked()
+
+    def release(self, tid: int) -> None:
+        with self._lock:
+            self._releases.append(tid)
+
+    def release_many(self, tids) -> None:
+        with self._lock:
+            self._releases.extend(tids)
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        if self._closed:
+            self._pending.clear()
+            self._releases.clear()
+            return
+        batch = self._pending
+        if self._releases:
+            batch.append(Delete(tuple(self._releases)))
+            self._releases = []
+        if not batch:
+            return
+        self._pending = []
+        self.runner.submit(batch)
+
+    def _flush_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            if self._pending or len(self._releases) > 64:
+                try:
+                    self.flush()
+                except Exception as exc:  # reported at the next sync point by the runner
+                    log.warning("background flush failed", error=repr(exc))
+
+    # -- reads ----------------------------------------------------------------------------
+    def put(self, shards: dict, mesh) -> int:
+        tid = self.new_tid()
+        self.emit(Put(tid, self.mesh_id(mesh), shards))
+        return tid
+
+    def put_replicated(self, tensor: torch.Tensor, mesh) -> int:
+        value = tensor.detach().clone()
+        return self.put({r: value for r in mesh.root.ranks}, mesh)
+
+    def request(self, make, count: int) -> list:
+        """Emit ``make(request_id)``, flush, and wait for ``count`` replies."""
+        with self._lock:
+            self._request += 1
+            rid = self._request
+            self._pending.append(make(rid))
+            self._flush_locked()
+        return self.runner.wait_replies(rid, count, self.timeout)
+
+    def fetch(self, tid: int, ranks) -> dict:
+        """Local tensors of ``tid`` on ``ranks``; raises WorkerError if any of them failed."""
+        ranks = tuple(ranks)
+        replies = self.request(lambda rid: Fetch(tid, rid, ranks), len(ranks))
+        out = {}
+        for reply in sorted(replies, key=lambda r: r.rank):
+            if reply.error is not None:
+                f = reply.error
+                where = f" issued at {f.source}" if f.source else ""
+                raise WorkerError(
+                    f"{f.op} failed on rank {f.rank}{where}: {f.message}", rank=f.rank, op=f.op, source=f.source
+                )
+            out[reply.rank] = reply.value
+        return out
+
+    def synchronize(self) -> None:
+        """Wait until every worker has run everything issued so far."""
+        self.request(lambda rid: Stats(rid), self.world_size)
+
+    def memory_stats(self) -> list[dict]:
+        replies = self.request(lambda rid: Stats(rid), self.world_size)
+        return [r.value for r in sorted(replies, key=lambda r: r.rank)]
+
+    # -- fallback bookkeeping -------------------------------------------------------------
+    def count_fallback(self, name: str) -> None:
+        self.fallback_counts[name] += 1
+        if name not in self._warned:
+            self._warned.add(name)
+            from ..dispatch import warn_fallback_once
+
+            warn_fallback_once(name)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self._flusher is not None:
+                self._stop.set()
+                self._flusher.join(timeout=5)
+            self.runner.shutdown()
+
+
+def timeout_from_env(default: float = 300.0) -> float:
+    return float(os.environ.get("DTORCH_TIMEOUT", default))
+
+
+warnings.filterwarnings("default", message="dtorch: .* has no sharding rule")

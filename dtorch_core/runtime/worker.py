@@ -1,0 +1,261 @@
+"""The worker: executes the instruction stream for one device rank.
+
+It keeps a TensorStore (tensor id -> local tensor, or a WorkerFailure that records why the
+tensor is missing). A failing kernel marks its outputs failed and the worker keeps serving; the
+failure travels with the data (every op that uses a failed tensor fails the same way) and is
+reported when the controller reads an affected tensor.
+"""
+
+from __future__ import annotations
+
+import attrs
+import structlog
+import torch
+
+from ..comm.collectives import combine, local_step
+from ..graph.instructions import (
+    COMMUNICATING_KINDS,
+    Call,
+    Collective,
+    DefineMesh,
+    DefinePlan,
+    Delete,
+    Fetch,
+    Put,
+    Reply,
+    Slot,
+    Stats,
+    WorkerFailure,
+)
+from ..mesh import DeviceMesh, root_coordinate
+
+log = structlog.get_logger(__name__)
+PENDING = object()
+
+
+@attrs.frozen
+class MeshView:
+    """This rank's place on a mesh: per mesh dim (group index, index in group, group size)."""
+
+    ranks: tuple
+    groups: tuple
+
+
+@attrs.define
+class LocalPlan:
+    fn: object
+    bind: object
+    op_name: str
+    seeded: bool
+
+
+def _binder(args, kwargs):
+    """A function vals -> (args, kwargs) with Slots replaced; fast for flat argument lists."""
+
+    def fill(x, vals):
+        if type(x) is Slot:
+            return vals[x.index]
+        if type(x) is tuple or type(x) is list:
+            return type(x)(fill(a, vals) for a in x)
+        return x
+
+    nested = any(type(a) in (tuple, list) and _has_slot(a) for a in args) or any(
+        _has_slot(v) for v in kwargs.values()
+    )
+    if not nested:
+        positions = [(i, a.index) for i, a in enumerate(args) if type(a) is Slot]
+        base = list(args)
+
+        def bind(vals):
+            a = base.copy()
+            for i, j in positions:
+                a[i] = vals[j]
+            return a, dict(kwargs) if kwargs else {}
+
+        return bind
+    return lambda vals: (fill(args, vals), {k: fill(v, vals) for k, v in kwargs.items()})
+
+
+def _has_slot(x) -> bool:
+    if type(x) is Slot:
+        return True
+    if type(x) in (tuple, list):
+        return any(_has_slot(a) for a in x)
+    return False
+
+
+class Worker:
+    def __init__(self, rank: int, device: torch.device, kernels, exchange, reply):
+        self.rank = rank
+        self.device = device
+        self.kernels = kernels
+        self.exchange = exchange
+        self.reply = reply
+        self.store: dict = {}
+        self.plans: dict = {}
+        self.meshes: dict = {}
+        self.seq: dict = {}
+        self.pending: list = []
+        self.log = log.bind(rank=rank)
+
+    # -- stream ---------------------------------------------------------------------------
+    def run_batch(self, batch) -> None:
+        for ins in batch:
+            self.execute(ins)
+
+    def execute(self, ins) -> None:
+        t = type(ins)
+        if t is Call:
+            self._call(ins)
+        elif t is Collective:
+            self._collective(ins)
+        elif t is Delete:
+            pop = self.store.pop
+            for tid in ins.tids:
+                pop(tid, None)
+        elif t is DefinePlan:
+            self._define_plan(ins)
+        elif t is Put:
+            shard = ins.shards.get(self.rank)
+            if shard is not None:
+                self.store[ins.tid] = shard.to(self.device) if shard.device != self.device else shard
+        elif t is Fetch:
+            if self.rank in ins.ranks:
+                value = self.store.get(ins.tid)
+                if value is None:
+                    failure = WorkerFailure(self.rank, "fetch", None, f"tensor {ins.tid} is not on this worker")
+                    self.reply(Reply(ins.request_id, self.rank, error=failure))
+                elif type(value) is WorkerFailure:
+                    self.reply(Reply(ins.request_id, self.rank, error=value))
+                else:
+                    self.reply(Reply(ins.request_id, self.rank, value=value))
+        elif t is DefineMesh:
+            self._define_mesh(ins)
+        elif t is Stats:
+            self.reply(Reply(ins.request_id, self.rank, value=self.memory_stats()))
+        else:
+            raise TypeError(f"worker got an unknown instruction {ins!r}")
+
+    # -- definitions ----------------------------------------------------------------------
+    def _define_mesh(self, ins: DefineMesh) -> None:
+        root = DeviceMesh("worker", tuple(ins.shape), tuple(ins.ranks))
+        coord = root_coordinate(root, self.rank)
+        if coord is None:
+            self.meshes[ins.mesh_id] = None
+            return
+        groups = []
+        for d in range(len(ins.shape)):
+            for gi, group in enumerate(root.groups(d)):
+                if self.rank in group:
+                    groups.append((gi, group.index(self.rank), len(group)))
+                    break
+        self.meshes[ins.mesh_id] = MeshView(tuple(ins.ranks), tuple(groups))
+
+    def _define_plan(self, ins: DefinePlan) -> None:
+        if self.meshes.get(ins.mesh_id) is None:
+            return
+        args, kwargs = ins.args, ins.kwargs
+        if ins.rank_args and self.rank in ins.rank_args:
+            args, kwargs = ins.rank_args[self.rank]
+        try:
+            fn = self.kernels.resolve(ins.target, self.device.type)
+        except Exception as exc:  # an unknown kernel fails each call, not the worker
+            message = f"{type(exc).__name__}: {exc}"
+
+            def fn(*_a, **_k):
+                raise RuntimeError(message)
+
+        self.plans[ins.plan_id] = LocalPlan(fn, _binder(args, kwargs), ins.op_name, ins.seeded)
+
+    # -- execution ------------------------------------------------------------------------
+    def _lookup(self, tid):
+        value = self.store.get(tid)
+        if value is None:
+            return WorkerFailure(self.rank, "?", None, f"tensor {tid} is not on this worker (deleted or never made)")
+        return value
+
+    def _call(self, ins: Call) -> None:
+        plan = self.plans.get(ins.plan_id)
+        if plan is None:
+            return
+        store = self.store
+        vals = [store.get(t) for t in ins.inputs]
+        for i, v in enumerate(vals):
+            if v is None or type(v) is WorkerFailure:
+                self._fail(ins.outputs, v if v is not None else self._lookup(ins.inputs[i]))
+                return
+        try:
+            args, kwargs = plan.bind(vals)
+            if plan.seeded:
+                kwargs["seed"] = ins.seed
+            out = plan.fn(*args, **kwargs)
+        except Exception as exc:
+            self.log.debug("kernel failed", op=plan.op_name, source=ins.source, error=repr(exc))
+            self._fail(ins.outputs, WorkerFailure(self.rank, plan.op_name, ins.source, f"{type(exc).__name__}: {exc}"))
+            return
+        outs = ins.outputs
+        if len(outs) == 1 and isinstance(out, torch.Tensor):
+            if outs[0] >= 0:
+                store[outs[0]] = out
+            return
+        for tid, o in zip(outs, out if isinstance(out, (list, tuple)) else (out,)):
+            if tid >= 0:
+                store[tid] = o
+
+    def _fail(self, outputs, failure) -> None:
+        for tid in outputs:
+            if tid >= 0:
+                self.store[tid] = failure
+
+    def _collective(self, ins: Collective) -> None:
+        view = self.meshes.get(ins.mesh_id)
+        if view is None:
+            return
+        x = self._lookup(ins.src)
+        gi, index, size = view.groups[ins.mesh_dim]
+        if ins.kind not in COMMUNICATING_KINDS:
+            if type(x) is WorkerFailure:
+                self.store[ins.dst] = x
+                return
+            self.store[ins.dst] = local_step(ins.kind, x, index, size, ins.dim, ins.reduce_op)
+            return
+        group_key = (ins.mesh_id, ins.mesh_dim, gi)
+        seq = self.seq.get(group_key, 0)
+        self.seq[group_key] = seq + 1
+        key = group_key + (seq,)
+        values = self.exchange.exchange(key, index, size, x)
+        if values is PENDING:
+            self.pending.append((ins, key, index))
+            return
+        self._finish(ins, values, index)
+
+    def _finish(self, ins: Collective, values, index) -> None:
+        for v in values:
+            if type(v) is WorkerFailure:
+                self.store[ins.dst] = v
+                return
+        try:
+            self.store[ins.dst] = combine(ins.kind, values, index, ins.dim, ins.reduce_op, ins.dim2)
+        except Exception as exc:
+            self.store[ins.dst] = WorkerFailure(self.rank, f"collective {ins.kind}", None, f"{type(exc).__name__}: {exc}")
+
+    def finish_pending(self) -> None:
+        """Complete collectives whose peers have all contributed (lockstep runners)."""
+        pending, self.pending = self.pending, []
+        for ins, key, index in pending:
+            self._finish(ins, self.exchange.collect(key, index), index)
+
+    # -- statistics -----------------------------------------------------------------------
+    def memory_stats(self) -> dict:
+        seen = set()
+        nbytes = 0
+        live = 0
+        for v in self.store.values():
+            if isinstance(v, torch.Tensor):
+                live += 1
+                storage = v.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in seen:
+                    seen.add(ptr)
+                    nbytes += storage.nbytes()
+        return {"rank": self.rank, "live_tensors": live, "bytes": nbytes}

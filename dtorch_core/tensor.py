@@ -1,0 +1,149 @@
+"""DTensor: the controller's handle of a distributed tensor (a wrapper subclass with no data)."""
+
+from __future__ import annotations
+
+import torch
+
+from .mesh import DeviceMesh
+from .placement import Partial, Replicate, Shard, normalize_placements
+from .spec import TensorSpec
+
+
+class _Handle:
+    """Owns a tensor id; tells the session to free it on the workers when the handle dies."""
+
+    __slots__ = ("tid", "session", "__weakref__")
+
+    def __init__(self, tid: int, session):
+        self.tid = tid
+        self.session = session
+
+    def __del__(self):
+        try:
+            self.session.release(self.tid)
+        except Exception:  # interpreter shutdown: nothing left to free
+            pass
+
+
+class DTensor(torch.Tensor):
+    """A tensor whose shards live on the workers of a :class:`DeviceMesh`.
+
+    Torch ops on it return at once with new handles; reading data (``full_tensor()``,
+    ``item()``, ``to_local()``) waits for the workers.
+    """
+
+    _spec: TensorSpec
+    _view: DeviceMesh
+    _handle: _Handle
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def _make(spec: TensorSpec, view: DeviceMesh, tid: int, session, requires_grad: bool = False) -> "DTensor":
+        r = torch.Tensor._make_wrapper_subclass(
+            DTensor,
+            spec.shape,
+            strides=spec.stride,
+            dtype=spec.dtype,
+            device=session.device_for(spec.mesh.device_type),
+            requires_grad=requires_grad,
+        )
+        r._spec = spec
+        r._view = view
+        r._handle = _Handle(tid, session)
+        return r
+
+    @property
+    def _tid(self) -> int:
+        return self._handle.tid
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from .dispatch import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    # -- metadata (no round trip) ------------------------------------------------------------
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._view
+
+    @property
+    def placements(self) -> tuple:
+        return tuple(self._spec.placements[d] for d in self._view.dims_in_root)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (
+            f"DTensor(shape={tuple(self.shape)}, dtype={self.dtype}, mesh={self._view!r}, "
+            f"placements={self.placements}{grad})"
+        )
+
+    # -- movement ------------------------------------------------------------------------------
+    def redistribute(self, device_mesh: DeviceMesh | None = None, placements=None) -> "DTensor":
+        """Return this tensor with new placements (differentiable)."""
+        from .api import _redistribute_autograd
+
+        return _redistribute_autograd(self, device_mesh, placements)
+
+    def full_tensor(self) -> torch.Tensor:
+        """Gather the global value onto the controller (a sync point, differentiable)."""
+        from .api import _full_tensor_autograd
+
+        return _full_tensor_autograd(self)
+
+    def to_local(self, rank: int | None = None) -> torch.Tensor:
+        """The local shard held by ``rank`` (the mesh's first rank if omitted): a sync point."""
+        from .api import local_shard
+
+        return local_shard(self, rank)
+
+    def local_shards(self) -> dict[int, torch.Tensor]:
+        """Every rank's local shard, keyed by rank (a sync point)."""
+        from .api import local_shards
+
+        return local_shards(self)
+
+    def __deepcopy__(self, memo):
+        out = self.detach().clone()
+        out.requires_grad_(self.requires_grad)
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, protocol):
+        from .errors import DTorchError
+
+        raise DTorchError(
+            "a DTensor has no data on the controller to pickle; save t.full_tensor() or use a "
+            "sharded checkpoint instead"
+        )
+
+    @staticmethod
+    def from_local(local, device_mesh: DeviceMesh, placements, *, shape=None) -> "DTensor":
+        from .api import from_local
+
+        return from_local(local, device_mesh, placements, shape=shape)
+
+
+def root_placements(mesh: DeviceMesh, placements, ndim: int) -> tuple:
+    """Placements over the root mesh for ``placements`` given on ``mesh`` (maybe a sub-mesh)."""
+    placements = normalize_placements(placements, ndim, mesh.ndim)
+    if mesh.is_root:
+        return placements
+    full = [Replicate()] * mesh.root.ndim
+    for p, d in zip(placements, mesh.dims_in_root):
+        full[d] = p
+    return tuple(full)
+
+
+def view_for(spec: TensorSpec, preferred: DeviceMesh | None) -> DeviceMesh:
+    """The mesh a result is shown on: the inputs' sub-mesh when the placements fit on it."""
+    if preferred is None or preferred.is_root:
+        return spec.mesh
+    dims = set(preferred.dims_in_root)
+    if all(isinstance(p, Replicate) for d, p in enumerate(spec.placements) if d not in dims):
+        return preferred
+    return spec.mesh
+
+
+__all__ = ["DTensor", "Shard", "Replicate", "Partial"]
