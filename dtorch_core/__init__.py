@@ -6,6 +6,7 @@ are handles; ops on them are planned here and run asynchronously on the workers.
 
 from __future__ import annotations
 
+from . import dispatch as _dispatch  # noqa: F401  (installs DTensor's dispatcher)
 from . import errors
 from .api import (
     arange,

@@ -24,6 +24,9 @@ from .ops.registry import LocalCall, OpCall, Rule, Strategy
 from .placement import Partial, Replicate, Shard
 from .redistribute import plan_redistribute, redistribute_cost
 from .spec import TensorSpec, contiguous_stride, shard_region
+from . import tensor as _tensor_mod
+from .runtime import session as _session_mod
+from .runtime.session import current_session
 from .tensor import DTensor, view_for
 
 log = structlog.get_logger(__name__)
@@ -38,11 +41,14 @@ _SYNC_OPS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonze
 # entry point
 # ---------------------------------------------------------------------------------------------
 def dispatch(func, args, kwargs):
-    from .runtime.session import current_session
-
-    session = current_session()
+    session = _session_mod._session
+    if session is None:
+        session = current_session()
     inputs: list = []
-    key = (func, _key_of(args, inputs), _key_of(tuple(kwargs.values()), inputs), tuple(kwargs))
+    if kwargs:
+        key = (func, _key_of(args, inputs), _key_of(tuple(kwargs.values()), inputs), tuple(kwargs))
+    else:
+        key = (func, _key_of(args, inputs))
     plan = session.plans.get(key)
     if plan is None:
         plan = build_plan(session, func, args, kwargs, inputs)
@@ -65,13 +71,21 @@ def _key_of(x, inputs):
     return x
 
 
-def user_source() -> str | None:
-    """``file:line`` of the innermost frame outside dtorch and torch (the user's call)."""
-    f = sys._getframe(2)
+_internal_code: dict = {}
+
+
+def user_source():
+    """(file, line) of the innermost frame outside dtorch and torch: the user's call."""
+    f = sys._getframe(3)
+    internal = _internal_code
     while f is not None:
-        name = f.f_code.co_filename
-        if not (name.startswith(_PKG_DIR) or name.startswith(_TORCH_DIR) or name.startswith("<")):
-            return f"{name}:{f.f_lineno}"
+        code = f.f_code
+        flag = internal.get(code)
+        if flag is None:
+            name = code.co_filename
+            flag = internal[code] = name.startswith(_PKG_DIR) or name.startswith(_TORCH_DIR) or name.startswith("<")
+        if not flag:
+            return (code.co_filename, f.f_lineno)
         f = f.f_back
     return None
 
@@ -119,7 +133,11 @@ class DirectPlan:
     seeded: bool
     mesh_id: int
 
+    simple: bool = False  # no moves, no plain inputs, no aliases, no None outputs
+
     def run(self, session, args, kwargs, inputs):
+        if self.simple:
+            return self._run_simple(session, inputs)
         tids = []
         temps = []
         emit = session.emit
@@ -159,6 +177,27 @@ class DirectPlan:
         )
         if temps:
             session.release_many(temps)
+        return self.rebuild(outs)
+
+
+    def _run_simple(self, session, inputs):
+        outs = []
+        out_tids = []
+        new_tid = session.new_tid
+        make = DTensor._make
+        for spec, view in zip(self.out_specs, self.out_views):
+            tid = new_tid()
+            outs.append(make(spec, view, tid, session))
+            out_tids.append(tid)
+        session.emit(
+            Call(
+                self.plan_id,
+                tuple([x._handle.tid for x in inputs]),
+                tuple(out_tids),
+                user_source() if session.track_source else None,
+                session.next_seed() if self.seeded else None,
+            )
+        )
         return self.rebuild(outs)
 
 
@@ -364,6 +403,13 @@ def plan_direct(session, func, args, kwargs, inputs, rule: Rule, mesh, view, *, 
         final_specs = tuple(
             specs[a] if a is not None else s for s, a in zip(out_specs, out_alias)
         )
+        simple = (
+            n_in > 0
+            and all(not m for m in moves)
+            and all(a is None for a in out_alias)
+            and all(s is not None for s in final_specs)
+            and all(type(x) is DTensor for x in inputs)
+        )
         return DirectPlan(
             plan_id,
             mesh,
@@ -374,6 +420,7 @@ def plan_direct(session, func, args, kwargs, inputs, rule: Rule, mesh, view, *, 
             rebuild,
             bool(rule.kernel and session.kernel_is_seeded(rule.kernel)),
             session.mesh_id(mesh),
+            simple,
         )
     return None
 
@@ -535,8 +582,6 @@ def _run_on_controller(func, args, kwargs):
 # redistribution on the controller (no autograd: see api for the differentiable one)
 # ---------------------------------------------------------------------------------------------
 def redistribute_now(x: DTensor, placements: tuple, view: DeviceMesh | None = None) -> DTensor:
-    from .runtime.session import current_session
-
     session = current_session()
     spec = x._spec
     steps = plan_redistribute(spec.placements, tuple(placements))
@@ -567,8 +612,6 @@ def warn_fallback_once(name: str) -> None:
 
 def dispatch_direct(func, args, kwargs):
     """Plan ``func`` with its rule, skipping its decomposition (for use inside decompositions)."""
-    from .runtime.session import current_session
-
     session = current_session()
     inputs: list = []
     key = ("direct", func, _key_of(args, inputs), _key_of(tuple(kwargs.values()), inputs), tuple(kwargs))
@@ -585,8 +628,6 @@ def dispatch_direct(func, args, kwargs):
 
 def plan_factory(kind: str, spec: TensorSpec, view: DeviceMesh, fill):
     """Create a tensor directly on the workers (each rank makes only its own shard)."""
-    from .runtime.session import current_session
-
     session = current_session()
     key = ("factory", kind, spec, view, fill)
     plan = session.plans.get(key)
@@ -611,3 +652,6 @@ def plan_factory(kind: str, spec: TensorSpec, view: DeviceMesh, fill):
         plan = DirectPlan(plan_id, mesh, (), (spec,), (view,), (None,), lambda outs: outs[0], seeded, mesh_id)
         session.plans[key] = plan
     return plan.run(session, (), {}, [])
+
+
+_tensor_mod._dispatch = dispatch

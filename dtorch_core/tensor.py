@@ -9,6 +9,10 @@ from .placement import Partial, Replicate, Shard, normalize_placements
 from .spec import TensorSpec
 
 
+_NO_KWARGS: dict = {}
+_dispatch = None  # set by dtorch_core.dispatch (which imports this module)
+
+
 class _Handle:
     """Owns a tensor id; tells the session to free it on the workers when the handle dies."""
 
@@ -23,6 +27,9 @@ class _Handle:
             self.session.release(self.tid)
         except Exception:  # interpreter shutdown: nothing left to free
             pass
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
 class DTensor(torch.Tensor):
@@ -40,12 +47,12 @@ class DTensor(torch.Tensor):
 
     @staticmethod
     def _make(spec: TensorSpec, view: DeviceMesh, tid: int, session, requires_grad: bool = False) -> "DTensor":
-        r = torch.Tensor._make_wrapper_subclass(
+        r = _make_wrapper(
             DTensor,
             spec.shape,
             strides=spec.stride,
             dtype=spec.dtype,
-            device=session.device_for(spec.mesh.device_type),
+            device=spec.mesh.device_type,
             requires_grad=requires_grad,
         )
         r._spec = spec
@@ -59,9 +66,7 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _dispatch(func, args, kwargs or _NO_KWARGS)
 
     # -- metadata (no round trip) ------------------------------------------------------------
     @property

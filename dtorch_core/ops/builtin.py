@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from ..hookspecs import hookimpl
-from . import foreach, indexing, kernels, matmul, nn, pointwise, reductions, views
+from . import foreach, indexing, kernels, losses, matmul, nn, pointwise, reductions, views
 
 
 @hookimpl
 def dtorch_register_ops(registry) -> None:
-    for family in (pointwise, reductions, matmul, views, indexing, nn, foreach):
+    for family in (pointwise, reductions, matmul, views, indexing, nn, losses, foreach):
         family.register(registry)
 
 

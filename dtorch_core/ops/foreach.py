@@ -31,10 +31,27 @@ def foreach_decomposition(op, *args, **kwargs):
             ord_ = el_args[1] if len(el_args) > 1 else 2
             results.append(aten.linalg_vector_norm.default(el_args[0], ord_, None, False, dtype=kwargs.get("dtype")))
         else:
-            results.append(element(*el_args, **kwargs))
+            el_args, el_kwargs = _split_kwarg_only(element, el_args, kwargs)
+            results.append(element(*el_args, **el_kwargs))
     if not schema.returns:
         return None
     return results
+
+
+def _split_kwarg_only(packet, args, kwargs):
+    """Move trailing positional args that the single op takes keyword-only into kwargs
+    (``_foreach_addcmul_`` takes ``value`` positionally, ``addcmul_`` only by keyword)."""
+    best = None
+    for name in packet.overloads():
+        schema = getattr(packet, name)._schema
+        positional = [a for a in schema.arguments if not a.kwarg_only]
+        if best is None or len(positional) > len(best[0]):
+            best = (positional, [a.name for a in schema.arguments if a.kwarg_only])
+    positional, kw_names = best
+    if len(args) <= len(positional):
+        return args, kwargs
+    extra = args[len(positional):]
+    return args[: len(positional)], dict(kwargs, **dict(zip(kw_names, extra)))
 
 
 def register(registry) -> None:

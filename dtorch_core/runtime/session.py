@@ -176,9 +176,12 @@ class Session:
         for reply in sorted(replies, key=lambda r: r.rank):
             if reply.error is not None:
                 f = reply.error
-                where = f" issued at {f.source}" if f.source else ""
+                where = f" issued at {format_source(f.source)}" if f.source else ""
                 raise WorkerError(
-                    f"{f.op} failed on rank {f.rank}{where}: {f.message}", rank=f.rank, op=f.op, source=f.source
+                    f"{f.op} failed on rank {f.rank}{where}: {f.message}",
+                    rank=f.rank,
+                    op=f.op,
+                    source=format_source(f.source),
                 )
             out[reply.rank] = reply.value
         return out
@@ -211,6 +214,14 @@ class Session:
                 self._stop.set()
                 self._flusher.join(timeout=5)
             self.runner.shutdown()
+
+
+def format_source(source) -> str | None:
+    if source is None:
+        return None
+    if isinstance(source, tuple):
+        return f"{source[0]}:{source[1]}"
+    return str(source)
 
 
 def timeout_from_env(default: float = 300.0) -> float:
