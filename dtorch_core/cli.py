@@ -67,7 +67,7 @@ class Info:
     environment: dict
 
     def to_json(self) -> dict[str, Any]:
-        return attrs.asdict(self, retain_collection_types=False)
+        return attrs.asdict(self)
 
 
 def native_extension_active() -> bool:

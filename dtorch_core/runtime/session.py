@@ -164,6 +164,9 @@ class Session:
         with self._lock:
             self._request += 1
             rid = self._request
+            if self._releases:  # frees issued before the read go first
+                self._pending.append(Delete(tuple(self._releases)))
+                self._releases = []
             self._pending.append(make(rid))
             self._flush_locked()
         return self.runner.wait_replies(rid, count, self.timeout)

@@ -1,0 +1,243 @@
+"""Neural-network ops against plain torch: softmax, norms, embedding, attention and losses.
+
+Every case runs forward and backward on distributed inputs and on plain tensors, with shapes that
+give uneven (and some empty) shards on 4 ranks, under strict mode so that a missing sharding rule
+fails the test instead of silently running replicated.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dtorch_core as dt
+
+from .helpers import assert_close, distribute
+
+R, P = dt.Replicate(), dt.Partial("sum")
+S0, S1, S2, S3 = dt.Shard(0), dt.Shard(1), dt.Shard(2), dt.Shard(3)
+
+
+def on_mesh(mesh, spec):
+    """Placements for ``mesh`` from a 2-D spec: the 1-D mesh takes its first non-Replicate entry."""
+    if mesh.ndim == 2:
+        return list(spec)
+    return [next((p for p in spec if p != R), R)]
+
+
+@pytest.fixture(autouse=True)
+def strict(runner):
+    dt.set_strict(True)
+    yield
+    assert dt.fallback_counts() == {}
+
+
+def _flat(out):
+    return list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def check(mesh, fn, tensors, specs, *, grad=(), atol=1e-5, rtol=1e-5):
+    """Run ``fn`` on distributed copies of ``tensors`` (placements from ``specs``) and on the
+    tensors themselves; compare every output and, for inputs in ``grad``, the gradients of a
+    random weighting of the outputs. Returns the distributed outputs."""
+    dts = [
+        distribute(t, mesh, on_mesh(mesh, s), requires_grad=i in grad) if s is not None else t
+        for i, (t, s) in enumerate(zip(tensors, specs))
+    ]
+    refs = [t.detach().clone().requires_grad_(i in grad) for i, t in enumerate(tensors)]
+    out, ref = _flat(fn(*dts)), _flat(fn(*refs))
+    assert len(out) == len(ref)
+    for k, (o, r) in enumerate(zip(out, ref)):
+        assert isinstance(o, dt.DTensor), f"output {k} is {type(o).__name__}"
+        assert o.shape == r.shape and o.dtype == r.dtype
+        assert_close(o.full_tensor(), r, atol=atol, rtol=rtol, msg=f"output {k}")
+    if grad:
+        gen = torch.Generator().manual_seed(7)
+        pairs = [(o, r) for o, r in zip(out, ref) if r.requires_grad]
+        weights = [torch.randn(r.shape, generator=gen) for _, r in pairs]
+        sum((o.full_tensor() * w).sum() for (o, _), w in zip(pairs, weights)).backward()
+        sum((r * w).sum() for (_, r), w in zip(pairs, weights)).backward()
+        for i in grad:
+            assert dts[i].grad is not None, f"input {i} got no gradient"
+            assert_close(dts[i].grad.full_tensor(), refs[i].grad, atol=atol, rtol=rtol, msg=f"grad of input {i}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# softmax / log_softmax
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fn", [F.softmax, F.log_softmax])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+@pytest.mark.parametrize("spec", [(S0, R), (S1, S0), (R, S2), (S2, S1), (P, S1)], ids=str)
+def test_softmax(mesh, fn, dim, spec):
+    x = torch.randn(10, 7, 3)
+    check(mesh, lambda t: fn(t, dim=dim), [x], [spec], grad=(0,))
+
+
+def test_softmax_keeps_shards_of_other_dims(mesh1d):
+    x = distribute(torch.randn(10, 7), mesh1d, [S0])
+    assert F.softmax(x, dim=1).placements == (S0,)
+    assert F.log_softmax(x, dim=-1).placements == (S0,)
+
+
+# ---------------------------------------------------------------------------------------------
+# layer_norm / rms_norm
+# ---------------------------------------------------------------------------------------------
+NORM_SPECS = [(S0, R), (S1, S0), (S0, S1), (R, S2), (P, S0)]
+
+
+@pytest.mark.parametrize("affine", ["weight_bias", "weight", "none"])
+@pytest.mark.parametrize("normalized", [1, 2])
+@pytest.mark.parametrize("spec", NORM_SPECS, ids=str)
+def test_layer_norm(mesh, spec, affine, normalized):
+    x = torch.randn(10, 7, 6)
+    shape = tuple(x.shape[-normalized:])
+    w, b = torch.randn(shape), torch.randn(shape)
+
+    def fn(x, w, b):
+        return F.layer_norm(x, shape, w if affine != "none" else None, b if affine == "weight_bias" else None)
+
+    check(mesh, fn, [x, w, b], [spec, (R, R), (R, R)], grad={"weight_bias": (0, 1, 2), "weight": (0, 1), "none": (0,)}[affine])
+
+
+def test_layer_norm_is_local_for_batch_shards(mesh2d):
+    x = distribute(torch.randn(10, 7, 6), mesh2d, [S0, S1])
+    y = F.layer_norm(x, (6,), distribute(torch.ones(6), mesh2d, [R, R]))
+    assert y.placements == (S0, S1)
+
+
+@pytest.mark.parametrize("with_weight", [True, False])
+@pytest.mark.parametrize("spec", NORM_SPECS, ids=str)
+def test_rms_norm(mesh, spec, with_weight):
+    x = torch.randn(10, 7, 6)
+    w = torch.randn(6)
+    check(mesh, lambda x, w: F.rms_norm(x, (6,), w if with_weight else None, eps=1e-5), [x, w], [spec, (R, R)],
+          grad=(0, 1) if with_weight else (0,))
+
+
+# ---------------------------------------------------------------------------------------------
+# embedding
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("vocab", [11, 3])
+@pytest.mark.parametrize("padding_idx", [None, 1])
+@pytest.mark.parametrize(
+    "table_spec,idx_spec",
+    [((R, R), (S0, R)), ((R, R), (S1, S0)), ((S1, R), (R, R)), ((S0, R), (R, R)), ((S0, S1), (R, S0)),
+     ((S1, S0), (S0, R)), ((S0, S0), (R, R))],
+    ids=str,
+)
+def test_embedding(mesh, vocab, padding_idx, table_spec, idx_spec):
+    weight = torch.randn(vocab, 6)
+    idx = torch.randint(0, vocab, (5, 7))
+    idx[0, :3] = torch.tensor([0, vocab - 1, 1])
+    check(mesh, lambda w, i: F.embedding(i, w, padding_idx=padding_idx), [weight, idx], [table_spec, idx_spec],
+          grad=(0,))
+
+
+def test_embedding_scale_grad_by_freq(mesh):
+    weight = torch.randn(11, 6)
+    idx = torch.tensor([[0, 3, 3, 3, 10, 0, 5], [3, 3, 1, 2, 10, 10, 10], [4, 4, 4, 4, 4, 4, 0]])
+    for table_spec, idx_spec in [((R, R), (S1, S0)), ((S0, R), (R, R)), ((S1, R), (S0, R))]:
+        check(mesh, lambda w, i: F.embedding(i, w, scale_grad_by_freq=True), [weight, idx], [table_spec, idx_spec],
+              grad=(0,))
+
+
+def test_embedding_vocab_sharded_gives_partial(mesh1d):
+    weight = distribute(torch.randn(11, 6), mesh1d, [S0])
+    idx = distribute(torch.randint(0, 11, (4, 5)), mesh1d, [R])
+    assert F.embedding(idx, weight).placements == (P,)
+    weight = distribute(torch.randn(11, 6), mesh1d, [S1])
+    assert F.embedding(idx, weight).placements == (S2,)
+
+
+# ---------------------------------------------------------------------------------------------
+# scaled_dot_product_attention
+# ---------------------------------------------------------------------------------------------
+def _mask(kind, b, h, lq, lk):
+    gen = torch.Generator().manual_seed(3)
+    if kind == "none":
+        return None
+    shape = {"2d": (lq, lk), "3d": (h, lq, lk), "4d": (b, h, lq, lk), "bcast": (b, 1, 1, lk)}[kind.split("-")[0]]
+    if kind.endswith("bool"):
+        m = torch.rand(shape, generator=gen) > 0.3
+        m[..., 0] = True  # every query sees at least one key
+        return m
+    return torch.randn(shape, generator=gen)
+
+
+ATTN = ["plain", "causal", "2d", "3d-bool", "4d", "bcast-bool"]
+
+
+@pytest.mark.parametrize("attn", ATTN)
+@pytest.mark.parametrize("spec", [(S0, R), (S1, R), (S0, S1), (R, S1), (S0, S0), (P, R)], ids=str)
+def test_sdpa(mesh, spec, attn):
+    # batch == heads == query length: a rule that matches dims by size alone mis-shards the mask;
+    # 3 on 4 ranks leaves one rank with an empty shard
+    b, h, lq, lk, e = 3, 3, 3, 5, 8
+    q, k, v = torch.randn(b, h, lq, e), torch.randn(b, h, lk, e), torch.randn(b, h, lk, e)
+    m = None if attn in ("plain", "causal") else _mask(attn, b, h, lq, lk)
+    tensors, specs = [q, k, v], [spec, spec, spec]
+    if m is not None:
+        tensors.append(m)
+        specs.append((R, R))
+
+    def fn(q, k, v, m=None):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=attn == "causal")
+
+    check(mesh, fn, tensors, specs, grad=(0, 1, 2), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("spec", [(S1, R), (S0, S1)], ids=str)
+def test_sdpa_larger_uneven(mesh, spec):
+    b, h, l, e = 5, 7, 9, 16
+    q, k, v = (torch.randn(b, h, l, e) for _ in range(3))
+    out = check(mesh, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), [q, k, v],
+                [spec] * 3, grad=(0, 1, 2), atol=1e-5, rtol=1e-4)
+    assert out[0].placements == tuple(on_mesh(mesh, spec))
+
+
+# ---------------------------------------------------------------------------------------------
+# cross_entropy / nll_loss
+# ---------------------------------------------------------------------------------------------
+LOSS_CASES = [  # (reduction, class weights, ignore_index)
+    ("mean", False, -100), ("mean", True, -100), ("mean", False, 2), ("mean", True, 2),
+    ("sum", False, -100), ("sum", True, 2), ("none", False, -100), ("none", True, 2),
+]
+
+
+def _targets(n, c, ignore_index):
+    t = torch.randint(0, c, (n,), generator=torch.Generator().manual_seed(n))
+    if ignore_index >= 0:
+        t[: min(n, 4)] = ignore_index  # the whole first shard (and more) is ignored
+    return t
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "nll_loss"])
+@pytest.mark.parametrize("case", LOSS_CASES, ids=str)
+@pytest.mark.parametrize("batch", [10, 3])
+@pytest.mark.parametrize("spec,tspec", [((S0, R), (S0, R)), ((S0, S0), (R, R)), ((R, S0), (S0, S0)),
+                                        ((S1, R), (R, R))], ids=str)
+def test_classification_loss(mesh, loss, case, batch, spec, tspec):
+    reduction, weighted, ignore_index = case
+    c = 6
+    x = torch.randn(batch, c) * 3
+    t = _targets(batch, c, ignore_index)
+    w = torch.rand(c) + 0.5
+
+    def fn(x, t, w):
+        inp = x if loss == "cross_entropy" else F.log_softmax(x, dim=1)
+        f = getattr(F, loss)
+        return f(inp, t, weight=w if weighted else None, reduction=reduction, ignore_index=ignore_index)
+
+    check(mesh, fn, [x, t, w], [spec, tspec, (R, R)], grad=(0,))
+
+
+def test_mean_loss_over_uneven_shards_is_exact(mesh1d):
+    # shards of 3, 3, 3, 1 rows: averaging per-shard means would be far off
+    x = torch.zeros(10, 4)
+    x[9, 0] = -50.0  # only the last (single-row) shard has a large loss
+    t = torch.zeros(10, dtype=torch.long)
+    xd, td = distribute(x, mesh1d, [S0], requires_grad=True), distribute(t, mesh1d, [S0])
+    got = F.cross_entropy(xd, td).full_tensor()
+    torch.testing.assert_close(got, F.cross_entropy(x, t), rtol=0, atol=1e-6)

@@ -1,0 +1,85 @@
+"""Every pair of placements on every mesh dim, with uneven shards, forward and backward."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import dtorch_core as dt
+
+from .helpers import assert_close
+
+ONE_DIM = [dt.Replicate(), dt.Shard(0), dt.Shard(1), dt.Partial("sum"), dt.Partial("max"), dt.Partial("avg")]
+
+
+def test_all_pairs_1d(mesh1d):
+    t = torch.randn(7, 5)  # 7 rows / 5 cols on 4 ranks: 2,2,2,1 and 2,2,1,0
+    for src, dst in itertools.product(ONE_DIM, ONE_DIM):
+        x = dt.distribute_tensor(t, mesh1d, [src])
+        y = x.redistribute(mesh1d, [dst])
+        assert y.placements == (dst,)
+        assert_close(y, t, msg=f"{src} -> {dst}")
+
+
+@pytest.mark.parametrize("src", list(itertools.product([dt.Replicate(), dt.Shard(0), dt.Shard(1), dt.Partial()], repeat=2)))
+def test_all_pairs_2d(mesh2d, src):
+    t = torch.randn(5, 3)
+    x = dt.distribute_tensor(t, mesh2d, list(src))
+    for dst in itertools.product([dt.Replicate(), dt.Shard(0), dt.Shard(1), dt.Partial()], repeat=2):
+        y = x.redistribute(mesh2d, list(dst))
+        assert tuple(y.placements) == dst
+        assert_close(y, t, msg=f"{src} -> {dst}")
+
+
+def test_local_shards_follow_torch_chunk(mesh1d):
+    t = torch.arange(10.0)
+    x = dt.distribute_tensor(t, mesh1d, [dt.Shard(0)])
+    shards = x.local_shards()
+    for rank, expected in enumerate(torch.chunk(t, 4)):
+        assert torch.equal(shards[rank], expected)
+    y = dt.distribute_tensor(torch.arange(3.0), mesh1d, [dt.Shard(0)])
+    assert [s.numel() for s in y.local_shards().values()] == [1, 1, 1, 0]
+
+
+def test_nested_shards_on_one_dim(mesh2d):
+    t = torch.randn(9, 2)
+    x = dt.distribute_tensor(t, mesh2d, [dt.Shard(0), dt.Shard(0)])
+    assert [s.shape[0] for s in x.local_shards().values()] == [3, 2, 2, 2]
+    assert_close(x, t)
+    assert_close(x.redistribute(mesh2d, [dt.Replicate(), dt.Shard(0)]), t)
+    assert_close(x.redistribute(mesh2d, [dt.Shard(1), dt.Shard(0)]), t)
+
+
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        ([dt.Shard(0)], [dt.Replicate()]),
+        ([dt.Replicate()], [dt.Shard(1)]),
+        ([dt.Shard(0)], [dt.Shard(1)]),
+        ([dt.Partial()], [dt.Replicate()]),
+        ([dt.Partial()], [dt.Shard(0)]),
+    ],
+)
+def test_redistribute_backward(mesh1d, src, dst):
+    t = torch.randn(7, 6)
+    w = torch.randn(7, 6)
+    x = dt.distribute_tensor(t, mesh1d, src).requires_grad_()
+    y = x.redistribute(mesh1d, dst)
+    (y * dt.distribute_tensor(w, mesh1d, dst)).sum().backward()
+    assert_close(x.grad, w)
+    # the gradient of Shard->Replicate is a shard again, never an accidental Partial
+    if src[0] != dt.Partial():
+        assert x.grad.placements == tuple(src)
+
+
+def test_sub_mesh_placements(mesh2d):
+    t = torch.randn(6, 4)
+    tp = mesh2d["tp"]
+    x = dt.distribute_tensor(t, tp, [dt.Shard(1)])
+    assert x.device_mesh == tp and x.placements == (dt.Shard(1),)
+    assert x._spec.placements == (dt.Replicate(), dt.Shard(1))
+    y = dt.distribute_tensor(torch.randn(4, 3), mesh2d, [dt.Replicate(), dt.Replicate()])
+    assert_close(x @ y, t @ y.full_tensor())
+    assert mesh2d.get_coordinate(3) == (1, 1) and tp.get_coordinate(2) == (0,)
