@@ -1,11 +1,19 @@
 """PyTorch DTensor anchor for bench/dispatch.py (run under torchrun, one process per rank).
 
-Each rank runs its own eager DTensor dispatch of the same op streams that bench/dispatch.py
-issues through dtorch; rank 0 writes the per-op times to ``--out`` as JSON. Not meant to be run
-by hand (bench/dispatch.py launches it on 127.0.0.1 only), but it works on its own:
+Each rank runs its own eager DTensor dispatch of the op streams in ``_streams`` (the same ones
+bench/dispatch.py issues through dtorch). Timed rounds are driven by bench/dispatch.py through
+files in ``--sync-dir`` so that they interleave with its dtorch and plain-torch rounds: on a busy
+machine every side then sees the same background load.
+
+Protocol (rank 0 talks to the parent; other ranks follow through barriers):
+  rank 0 writes ``ready`` after warm-up; for each round r and stream s it waits for
+  ``go-r-s``, all ranks time ``ops`` ops + a barrier, and rank 0 writes ``done-r-s.json``
+  ({"us_per_op": ...}). At the end rank 0 writes ``final.json`` (environment, value check).
+
+Without ``--sync-dir`` it runs every round back to back and prints the final JSON:
 
     OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node 2 \
-        --master_addr 127.0.0.1 --master_port 29555 bench/_dtensor_anchor.py --out /tmp/a.json
+        --master_addr 127.0.0.1 --master_port 29555 bench/_dtensor_anchor.py
 """
 
 from __future__ import annotations
@@ -15,7 +23,6 @@ import gc
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -25,13 +32,29 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _streams  # noqa: E402  (bench-local helper, shared with dispatch.py)
 
 
+def _write_json(path: str, value) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=2)
+    os.replace(tmp, path)  # the parent never sees a half-written file
+
+
+def _wait_for(path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"anchor: no {os.path.basename(path)} from bench/dispatch.py in {timeout:.0f}s")
+        time.sleep(0.002)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ops", type=int, default=10_000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--streams", default=",".join(_streams.STREAMS))
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--sync-dir", default=None)
+    parser.add_argument("--wait-timeout", type=float, default=120.0)
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -46,46 +69,54 @@ def main() -> None:
     a_full, b_full = _streams.global_inputs(world)
     a = distribute_tensor(a_full, mesh, [Shard(0)])
     b = distribute_tensor(b_full, mesh, [Shard(0)])
+    streams = args.streams.split(",")
+    sync = args.sync_dir if rank == 0 else None
 
-    results = {}
-    for name in args.streams.split(","):
-        step, ops_per_step = _streams.STREAMS[name]
-        steps = max(1, args.ops // ops_per_step)
-        n_ops = steps * ops_per_step
-        for _ in range(max(1, args.warmup // ops_per_step)):  # sharding-prop cache misses happen here
+    for name in streams:  # sharding-propagation cache misses happen here, not in the timing
+        step, per = _streams.STREAMS[name]
+        for _ in range(max(1, args.warmup // per)):
             step(a, b)
-        dist.barrier()
-        samples = []
-        for _ in range(args.repeats):
+    dist.barrier()
+    if sync:
+        _write_json(os.path.join(sync, "ready"), {"rank": rank})
+
+    samples: dict = {name: [] for name in streams}
+    for r in range(args.rounds):
+        for name in streams:
+            step, per = _streams.STREAMS[name]
+            steps = max(1, args.ops // per)
+            n_ops = steps * per
+            if sync:
+                _wait_for(os.path.join(sync, f"go-{r}-{name}"), args.wait_timeout)
             gc.collect()
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(steps):
                 step(a, b)
             dist.barrier()
-            samples.append((time.perf_counter() - t0) / n_ops * 1e6)
-        results[name] = {"us_per_op": statistics.median(samples), "samples_us": samples, "ops": n_ops}
+            us = (time.perf_counter() - t0) / n_ops * 1e6
+            samples[name].append(us)
+            if sync:
+                _write_json(os.path.join(sync, f"done-{r}-{name}.json"), {"us_per_op": us, "ops": n_ops})
 
-    # Sanity check that DTensor really computed the stream (values are compared on rank 0).
-    check = _streams.STREAMS["add"][0](a, b).full_tensor()
-    ok = bool(torch.allclose(check, a_full + a_full))
-
+    # DTensor really computed the stream: compare one result with torch.
+    check = _streams.STREAMS["mix"][0](a, b).full_tensor()
+    ok = bool(torch.allclose(check, _streams.STREAMS["mix"][0](a_full, b_full)))
+    final = {
+        "world_size": world,
+        "backend": dist.get_backend(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "num_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "values_ok": ok,
+        "samples_us": samples,
+    }
     if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(
-                {
-                    "world_size": world,
-                    "backend": dist.get_backend(),
-                    "torch": torch.__version__,
-                    "python": platform.python_version(),
-                    "num_threads": torch.get_num_threads(),
-                    "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-                    "values_ok": ok,
-                    "streams": results,
-                },
-                f,
-                indent=2,
-            )
+        if sync:
+            _write_json(os.path.join(sync, "final.json"), final)
+        else:
+            print(json.dumps(final, indent=2))
     dist.barrier()
     dist.destroy_process_group()
 

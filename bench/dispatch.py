@@ -24,6 +24,7 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import platform  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -44,106 +45,108 @@ import _streams  # noqa: E402
 ANCHOR = os.path.join(BENCH_DIR, "_dtensor_anchor.py")
 
 
-def _median_us(samples: list[float]) -> float:
-    return statistics.median(samples)
+STATS = {"min": min, "median": statistics.median}
+ROWS = (  # key, label
+    ("dtorch_controller", "dtorch controller ({runner})"),
+    ("dtorch_end_to_end", "dtorch end-to-end ({runner})"),
+    ("dtensor", "DTensor (torchrun x{world}, gloo, rank 0)"),
+    ("plain_torch", "plain torch (local 64x64, 1 process)"),
+    ("dtorch_controller_workers_paused", "  diag: dtorch controller, workers paused"),
+)
 
 
 # ---------------------------------------------------------------------------------------------
-# plain torch (single process, local shard shapes)
+# one timed round per side (rounds of all sides interleave, see main)
 # ---------------------------------------------------------------------------------------------
-def measure_plain(ops: int, repeats: int, warmup: int) -> dict:
-    a, b = _streams.local_inputs()
-    out = {}
-    for name, (step, per) in _streams.STREAMS.items():
-        steps = max(1, ops // per)
-        n = steps * per
-        for _ in range(max(1, warmup // per)):
-            step(a, b)
-        samples = []
-        for _ in range(repeats):
-            gc.collect()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step(a, b)
-            samples.append((time.perf_counter() - t0) / n * 1e6)
-        out[name] = {"us_per_op": _median_us(samples), "samples_us": samples, "ops": n}
-    return out
+def _steps(stream: str, ops: int) -> tuple:
+    step, per = _streams.STREAMS[stream]
+    steps = max(1, ops // per)
+    return step, steps, steps * per
 
 
-# ---------------------------------------------------------------------------------------------
-# dtorch
-# ---------------------------------------------------------------------------------------------
-def measure_dtorch(runner: str, world: int, ops: int, repeats: int, warmup: int) -> dict:
-    import dtorch_core as dt
+class PlainSide:
+    """Plain torch on the local shard shape, in this process (the second anchor)."""
 
-    dt.init(world_size=world, runner=runner)
-    try:
-        mesh = dt.init_device_mesh("cpu", (world,))
-        a_full, b_full = _streams.global_inputs(world)
-        a = dt.distribute_tensor(a_full, mesh, [dt.Shard(0)])
-        b = dt.distribute_tensor(b_full, mesh, [dt.Shard(0)])
-        session = dt.api.current_session()
-        out = {}
+    def __init__(self, warmup: int):
+        self.a, self.b = _streams.local_inputs()
         for name, (step, per) in _streams.STREAMS.items():
-            steps = max(1, ops // per)
-            n = steps * per
-            for _ in range(max(1, warmup // per)):  # plan-cache misses happen here
-                step(a, b)
-            dt.synchronize()
-            ctrl, e2e, paused = [], [], []
-            for _ in range(repeats):
-                gc.collect()
-                dt.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    step(a, b)
-                t1 = time.perf_counter()
-                dt.synchronize()
-                t2 = time.perf_counter()
-                ctrl.append((t1 - t0) / n * 1e6)
-                e2e.append((t2 - t0) / n * 1e6)
-            for _ in range(repeats):
-                paused.append(_controller_with_workers_paused(dt, session, step, a, b, steps) / n * 1e6)
-            out[name] = {
-                "controller_us_per_op": _median_us(ctrl),
-                "end_to_end_us_per_op": _median_us(e2e),
-                "controller_workers_paused_us_per_op": _median_us(paused),
-                "controller_samples_us": ctrl,
-                "end_to_end_samples_us": e2e,
-                "controller_workers_paused_samples_us": paused,
-                "ops": n,
-            }
-        # The streams must really have computed: compare one result with torch.
-        values_ok = bool(torch.allclose(_streams.STREAMS["mix"][0](a, b).full_tensor(),
-                                        _streams.STREAMS["mix"][0](a_full, b_full)))
-        return {"runner": runner, "world_size": world, "values_ok": values_ok, "streams": out}
-    finally:
-        dt.shutdown()
+            for _ in range(max(1, warmup // per)):
+                step(self.a, self.b)
 
-
-def _controller_with_workers_paused(dt, session, step, a, b, steps) -> float:
-    """Issue time with batches held back from the workers, so no worker competes for the GIL.
-
-    A diagnostic only: it separates the controller's own Python cost from the contention the
-    thread runner's workers add. The held batches are submitted afterwards, in order.
-    """
-    runner = session.runner
-    held = []
-    gc.collect()
-    dt.synchronize()
-    runner.submit = held.append  # instance attribute shadows the method
-    try:
+    def round(self, stream: str, ops: int) -> float:
+        step, steps, n = _steps(stream, ops)
+        a, b = self.a, self.b
+        gc.collect()
         t0 = time.perf_counter()
         for _ in range(steps):
             step(a, b)
-        elapsed = time.perf_counter() - t0
-        session.flush()
-    finally:
-        del runner.submit
-    for batch in held:
-        runner.submit(batch)
-    dt.synchronize()
-    return elapsed
+        return (time.perf_counter() - t0) / n * 1e6
+
+
+class DtorchSide:
+    """dtorch on ``runner``: a global (64 * world, 64) tensor, Shard(0), one session for all rounds."""
+
+    def __init__(self, runner: str, world: int, warmup: int):
+        import dtorch_core as dt
+
+        self.dt = dt
+        dt.init(world_size=world, runner=runner)
+        self.session = dt.api.current_session()
+        mesh = dt.init_device_mesh("cpu", (world,))
+        self.a_full, self.b_full = _streams.global_inputs(world)
+        self.a = dt.distribute_tensor(self.a_full, mesh, [dt.Shard(0)])
+        self.b = dt.distribute_tensor(self.b_full, mesh, [dt.Shard(0)])
+        for name, (step, per) in _streams.STREAMS.items():
+            for _ in range(max(1, warmup // per)):  # plan-cache misses happen here
+                step(self.a, self.b)
+        dt.synchronize()
+
+    def round(self, stream: str, ops: int) -> tuple[float, float]:
+        """(controller us/op, end-to-end us/op) for one pass of ``ops`` ops."""
+        step, steps, n = _steps(stream, ops)
+        a, b = self.a, self.b
+        gc.collect()
+        self.dt.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step(a, b)
+        t1 = time.perf_counter()
+        self.dt.synchronize()
+        t2 = time.perf_counter()
+        return (t1 - t0) / n * 1e6, (t2 - t0) / n * 1e6
+
+    def round_workers_paused(self, stream: str, ops: int) -> float:
+        """Issue time with batches held back from the workers, so no worker competes for the GIL.
+
+        A diagnostic only: it separates the controller's own Python cost from the contention
+        the thread runner's workers add. The held batches are submitted afterwards, in order.
+        """
+        step, steps, n = _steps(stream, ops)
+        a, b = self.a, self.b
+        runner = self.session.runner
+        held: list = []
+        gc.collect()
+        self.dt.synchronize()
+        runner.submit = held.append  # an instance attribute shadows the method
+        try:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(a, b)
+            elapsed = time.perf_counter() - t0
+            self.session.flush()
+        finally:
+            del runner.submit
+        for batch in held:
+            runner.submit(batch)
+        self.dt.synchronize()
+        return elapsed / n * 1e6
+
+    def values_ok(self) -> bool:
+        step = _streams.STREAMS["mix"][0]
+        return bool(torch.allclose(step(self.a, self.b).full_tensor(), step(self.a_full, self.b_full)))
+
+    def close(self) -> None:
+        self.dt.shutdown()
 
 
 def profile_dtorch(runner: str, world: int, ops: int, top: int) -> str:
@@ -157,8 +160,7 @@ def profile_dtorch(runner: str, world: int, ops: int, top: int) -> str:
     dt.init(world_size=world, runner=runner)
     try:
         mesh = dt.init_device_mesh("cpu", (world,))
-        a_full, b_full = _streams.global_inputs(world)
-        a = dt.distribute_tensor(a_full, mesh, [dt.Shard(0)])
+        a = dt.distribute_tensor(_streams.global_inputs(world)[0], mesh, [dt.Shard(0)])
         for _ in range(300):
             a + a
         dt.synchronize()
@@ -178,7 +180,7 @@ def profile_dtorch(runner: str, world: int, ops: int, top: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# PyTorch DTensor anchor (torchrun subprocess on 127.0.0.1)
+# PyTorch DTensor anchor (torchrun subprocess on 127.0.0.1, driven round by round)
 # ---------------------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -186,73 +188,120 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure_dtensor(world: int, ops: int, repeats: int, warmup: int, timeout: float) -> dict:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo on the loopback interface
-    env["MASTER_ADDR"] = "127.0.0.1"
-    last_error = ""
-    for _attempt in range(2):  # a second try covers a port taken between probe and bind
-        with tempfile.TemporaryDirectory(prefix="dtorch-bench-") as tmp:
-            out_path = os.path.join(tmp, "dtensor.json")
-            cmd = [
-                sys.executable, "-m", "torch.distributed.run",
-                "--nnodes", "1", "--nproc_per_node", str(world),
-                "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-                ANCHOR, "--ops", str(ops), "--repeats", str(repeats), "--warmup", str(warmup),
-                "--out", out_path,
-            ]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-            if proc.returncode == 0 and os.path.exists(out_path):
-                with open(out_path) as f:
-                    return json.load(f)
-            last_error = f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    raise RuntimeError(f"DTensor anchor failed: {last_error}")
+class DTensorAnchor:
+    """``torchrun --nproc_per_node world bench/_dtensor_anchor.py`` on 127.0.0.1.
+
+    It starts at once (its start-up overlaps ours), warms up, then runs one timed round each
+    time ``round`` asks for it, so its rounds interleave with the other sides'.
+    """
+
+    def __init__(self, world: int, ops: int, rounds: int, warmup: int, timeout: float):
+        self.timeout = timeout
+        self.tmp = tempfile.TemporaryDirectory(prefix="dtorch-bench-")
+        self.dir = self.tmp.name
+        env = dict(os.environ)
+        env["OMP_NUM_THREADS"] = "1"
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo on the loopback interface
+        env["MASTER_ADDR"] = "127.0.0.1"
+        self.cmd = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", "1", "--nproc_per_node", str(world),
+            "--master_addr", "127.0.0.1", "--master_port", "0",
+            ANCHOR, "--ops", str(ops), "--rounds", str(rounds), "--warmup", str(warmup),
+            "--sync-dir", self.dir, "--wait-timeout", str(timeout),
+        ]
+        self.env = env
+        self.proc = None
+        self.attempts = 0
+        self._start()
+
+    def _start(self) -> None:
+        self.attempts += 1
+        self.cmd[self.cmd.index("--master_port") + 1] = str(_free_port())
+        self.log = open(os.path.join(self.dir, f"torchrun-{self.attempts}.log"), "w")
+        # Own session: close() can end torchrun and its ranks as one group, by our child's id.
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def _log_tail(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()[-4000:]
+
+    def _wait(self, name: str) -> str:
+        path = os.path.join(self.dir, name)
+        deadline = time.monotonic() + self.timeout
+        while not os.path.exists(path):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"DTensor anchor exited ({self.proc.returncode}):\n{self._log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"DTensor anchor: no {name} within {self.timeout:.0f}s:\n{self._log_tail()}")
+            time.sleep(0.002)
+        return path
+
+    def wait_ready(self) -> None:
+        try:
+            self._wait("ready")
+        except RuntimeError:
+            if self.attempts >= 2:
+                raise
+            self._start()  # most likely the probed port was taken meanwhile
+            self._wait("ready")
+
+    def round(self, r: int, stream: str) -> float:
+        open(os.path.join(self.dir, f"go-{r}-{stream}"), "w").close()
+        with open(self._wait(f"done-{r}-{stream}.json")) as f:
+            return json.load(f)["us_per_op"]
+
+    def finish(self) -> dict:
+        with open(self._wait("final.json")) as f:
+            final = json.load(f)
+        self.proc.wait(timeout=self.timeout)
+        return final
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        self.log.close()
+        self.tmp.cleanup()
 
 
 # ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
-def build_rows(dtorch: dict, dtensor: dict, plain: dict) -> list[tuple[str, dict]]:
+def format_table(summary: dict, labels: dict) -> str:
     names = list(_streams.STREAMS)
-    d = dtorch["streams"]
-    rows = [
-        (f"dtorch controller ({dtorch['runner']})", {s: d[s]["controller_us_per_op"] for s in names}),
-        (f"dtorch end-to-end ({dtorch['runner']})", {s: d[s]["end_to_end_us_per_op"] for s in names}),
-        (f"DTensor (torchrun x{dtensor['world_size']}, {dtensor['backend']}, rank 0)",
-         {s: dtensor["streams"][s]["us_per_op"] for s in names}),
-        ("plain torch (local 64x64)", {s: plain[s]["us_per_op"] for s in names}),
-        ("  diag: dtorch controller, workers paused",
-         {s: d[s]["controller_workers_paused_us_per_op"] for s in names}),
+    titles = {"add": "add", "mix": "mix (add/mul/relu)"}
+    w = max(len(v) for v in labels.values()) + 2
+    lines = [
+        " " * w + "".join(f"{titles.get(s, s):>22}" for s in names),
+        " " * w + "".join(f"{'us/op':>11}{'x DTensor':>11}" for _ in names),
     ]
-    return rows
-
-
-def format_table(rows, dtensor: dict) -> str:
-    names = list(_streams.STREAMS)
-    labels = {"add": "add", "mix": "mix (add/mul/relu)"}
-    w = max(len(r[0]) for r in rows) + 2
-    head1 = " " * w + "".join(f"{labels.get(s, s):>24}" for s in names)
-    head2 = " " * w + "".join(f"{'us/op':>12}{'x DTensor':>12}" for _ in names)
-    lines = [head1, head2]
-    for label, vals in rows:
+    for key, label in labels.items():
         cells = ""
         for s in names:
-            ref = dtensor["streams"][s]["us_per_op"]
-            cells += f"{vals[s]:>12.2f}{vals[s] / ref:>12.2f}"
+            v = summary[key][s]
+            cells += f"{v:>11.2f}{v / summary['dtensor'][s]:>11.2f}"
         lines.append(f"{label:<{w}}{cells}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", type=int, default=10_000, help="ops timed per stream and repeat (default 10000)")
-    parser.add_argument("--runner", default="thread", help="dtorch runner: thread (default), inline, or any registered one")
-    parser.add_argument("--world-size", type=int, default=2, help="devices / torchrun ranks (default 2)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats; the median is reported (default 3)")
+    parser.add_argument("--ops", type=int, default=10_000, help="ops timed per stream and round (default 10000)")
+    parser.add_argument("--runner", default="thread",
+                        help="dtorch runner: thread (default), inline, or any registered runner name")
+    parser.add_argument("--world-size", type=int, default=2, help="dtorch devices = torchrun ranks (default 2)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per side, interleaved (default 5)")
+    parser.add_argument("--stat", choices=sorted(STATS), default="min",
+                        help="how rounds are summarised (default min: least disturbed by other load)")
     parser.add_argument("--warmup", type=int, default=300, help="warm-up ops per stream before timing (default 300)")
-    parser.add_argument("--json", dest="json_out", help="also write every number to this JSON file")
-    parser.add_argument("--profile", action="store_true", help="cProfile the dtorch controller on a + a afterwards")
+    parser.add_argument("--json", dest="json_out", help="also write every sample and summary to this JSON file")
+    parser.add_argument("--profile", action="store_true", help="afterwards, cProfile the dtorch controller on a + a")
     parser.add_argument("--profile-top", type=int, default=25)
     parser.add_argument("--anchor-timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
@@ -263,55 +312,82 @@ def main(argv=None) -> int:
     # The bench is an entry point: keep library debug logs out of the table.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
 
-    started = time.perf_counter()
-    plain = measure_plain(args.ops, args.repeats, args.warmup)
-    dtorch = measure_dtorch(args.runner, args.world_size, args.ops, args.repeats, args.warmup)
-    dtensor = measure_dtensor(args.world_size, args.ops, args.repeats, args.warmup, args.anchor_timeout)
-    elapsed = time.perf_counter() - started
-
-    rows = build_rows(dtorch, dtensor, plain)
     world = args.world_size
-    print(
-        f"dtorch dispatch bench: world {world}, dtorch runner '{args.runner}', {args.ops} ops per stream, "
-        f"median of {args.repeats} repeats after {args.warmup} warm-up ops"
-    )
-    print(
-        f"shapes: global ({_streams.SHARD_ROWS * world}, {_streams.COLS}) fp32, [Shard(0)] -> "
-        f"{_streams.SHARD_ROWS}x{_streams.COLS} shards; plain torch on local {_streams.SHARD_ROWS}x{_streams.COLS}"
-    )
-    print(
-        f"threads: OMP_NUM_THREADS=1 and torch.set_num_threads(1) in this process and every torchrun rank "
-        f"(torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs)"
-    )
-    print(f"values checked against torch: dtorch {dtorch['values_ok']}, DTensor {dtensor['values_ok']}")
+    streams = list(_streams.STREAMS)
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    samples = {key: {s: [] for s in streams} for key, _ in ROWS}
+    anchor = DTensorAnchor(world, args.ops, args.rounds, args.warmup, args.anchor_timeout)
+    dtorch = None
+    try:
+        plain = PlainSide(args.warmup)
+        dtorch = DtorchSide(args.runner, world, args.warmup)
+        anchor.wait_ready()
+        # Rounds interleave the sides, so background load on a shared machine hits all alike.
+        for r in range(args.rounds):
+            for s in streams:
+                samples["plain_torch"][s].append(plain.round(s, args.ops))
+                ctrl, e2e = dtorch.round(s, args.ops)
+                samples["dtorch_controller"][s].append(ctrl)
+                samples["dtorch_end_to_end"][s].append(e2e)
+                samples["dtorch_controller_workers_paused"][s].append(dtorch.round_workers_paused(s, args.ops))
+                samples["dtensor"][s].append(anchor.round(r, s))
+        dtorch_ok = dtorch.values_ok()
+        dtorch.close()
+        dtorch = None
+        anchor_final = anchor.finish()
+    finally:
+        if dtorch is not None:
+            dtorch.close()
+        anchor.close()
+    elapsed = time.perf_counter() - started
+    load_after = os.getloadavg()[0]
+
+    stat = STATS[args.stat]
+    summary = {key: {s: stat(v) for s, v in per.items()} for key, per in samples.items()}
+    labels = {key: label.format(runner=args.runner, world=world) for key, label in ROWS}
+    ratio = summary["dtorch_controller"]["add"] / summary["dtensor"]["add"]
+    ratio_mix = summary["dtorch_controller"]["mix"] / summary["dtensor"]["mix"]
+
+    print(f"dtorch dispatch bench: world {world}, dtorch runner '{args.runner}', {args.ops} ops per stream "
+          f"and round, {args.rounds} interleaved rounds, {args.stat} reported, {args.warmup} warm-up ops first")
+    print(f"shapes: global ({_streams.SHARD_ROWS * world}, {_streams.COLS}) float32 with [Shard(0)] -> "
+          f"{_streams.SHARD_ROWS}x{_streams.COLS} shards; plain torch on local {_streams.SHARD_ROWS}x{_streams.COLS}")
+    print(f"threads: OMP_NUM_THREADS=1 and torch.set_num_threads(1) in this process and in every torchrun rank "
+          f"(torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} CPUs)")
+    print(f"values checked against torch: dtorch {dtorch_ok}, DTensor {anchor_final['values_ok']}")
+    busy = max(load_before, load_after) > 0.5 * (os.cpu_count() or 1)
+    print(f"load average before/after: {load_before:.2f}/{load_after:.2f}"
+          + ("  (machine busy: numbers are inflated and noisy; compare ratios, rerun when idle)" if busy else ""))
     print()
-    print(format_table(rows, dtensor))
+    print(format_table(summary, labels))
     print()
-    ratio_mix = (dtorch["streams"]["mix"]["controller_us_per_op"] / dtensor["streams"]["mix"]["us_per_op"])
+    for key in ("dtorch_controller", "dtensor"):
+        spread = "  ".join(f"{s} {min(samples[key][s]):.1f}-{max(samples[key][s]):.1f}" for s in streams)
+        print(f"spread over rounds (us/op), {labels[key].strip()}: {spread}")
     print(f"ratio dtorch_controller/dtensor (mix) = {ratio_mix:.2f}")
     print(f"bench wall time {elapsed:.1f}s")
-    ratio = dtorch["streams"]["add"]["controller_us_per_op"] / dtensor["streams"]["add"]["us_per_op"]
     print(f"ratio dtorch_controller/dtensor = {ratio:.2f} (target <= 1.0)")
 
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(
                 {
-                    "ops": args.ops,
-                    "repeats": args.repeats,
-                    "warmup": args.warmup,
-                    "world_size": world,
-                    "omp_num_threads": 1,
-                    "torch_num_threads": torch.get_num_threads(),
-                    "torch": torch.__version__,
-                    "python": platform.python_version(),
-                    "cpus": os.cpu_count(),
-                    "dtorch": dtorch,
-                    "dtensor": dtensor,
-                    "plain_torch": plain,
-                    "rows_us_per_op": {label: vals for label, vals in rows},
+                    "config": {
+                        "ops": args.ops, "rounds": args.rounds, "stat": args.stat, "warmup": args.warmup,
+                        "runner": args.runner, "world_size": world, "omp_num_threads": 1,
+                        "torch_num_threads": torch.get_num_threads(), "torch": torch.__version__,
+                        "python": platform.python_version(), "cpus": os.cpu_count(),
+                        "load_average_before": load_before, "load_average_after": load_after,
+                    },
+                    "labels": labels,
+                    "us_per_op": summary,
+                    "samples_us_per_op": samples,
+                    "values_ok": {"dtorch": dtorch_ok, "dtensor": anchor_final["values_ok"]},
+                    "dtensor_env": {k: v for k, v in anchor_final.items() if k != "samples_us"},
                     "ratio_dtorch_controller_over_dtensor": ratio,
                     "ratio_dtorch_controller_over_dtensor_mix": ratio_mix,
+                    "wall_time_s": elapsed,
                 },
                 f,
                 indent=2,

@@ -30,8 +30,10 @@ def init(world_size: int | None = None, *, runner: str | None = None, device_typ
     ``$DTORCH_WORLD_SIZE`` or 1. ``strict=True`` (or ``DTORCH_STRICT=1``) makes ops without a
     sharding rule raise instead of running replicated.
     """
+    from .logging import ensure_configured
     from .plugins import get_plugins
 
+    ensure_configured()
     if _session_mod._session is not None:
         shutdown()
     runner = runner or os.environ.get("DTORCH_RUNNER", "thread")

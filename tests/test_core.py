@@ -197,3 +197,14 @@ def test_item_and_not_initialised(mesh1d):
     dt.shutdown()
     with pytest.raises(dt.errors.NotInitializedError):
         dt.init_device_mesh("cpu", (2,))
+
+
+def test_plain_tensor_is_replicated_on_the_mesh(mesh2d):
+    t = torch.randn(5, 6)
+    x = dt.distribute_tensor(t, mesh2d, [dt.Shard(0), dt.Shard(1)])
+    bias = torch.randn(6)
+    assert_close(x + bias, t + bias)
+    assert_close(bias * x, bias * t)
+    bias.add_(1.0)  # later changes on the controller do not leak into issued ops
+    y = x - bias
+    assert_close(y, t - bias)

@@ -51,16 +51,18 @@ def distribute_spread(t, mesh, placements, requires_grad=False, seed=0):
     assert mesh.is_root and all(p == P or not isinstance(p, dt.Partial) for p in full)
     part_dims = [m for m, p in enumerate(full) if isinstance(p, dt.Partial)]
     gen = torch.Generator().manual_seed(seed + 7)
-    noise = {r: torch.randn(t.shape, generator=gen, dtype=t.dtype) for r in root.ranks}
+    # one random part per coordinate along the Partial mesh dims: replicas along the other mesh
+    # dims must hold equal values
+    keys = list(itertools.product(*(range(root.shape[m]) for m in part_dims)))
+    noise = {k: torch.randn(t.shape, generator=gen, dtype=t.dtype) for k in keys}
+    mean = sum(noise.values()) / len(keys)
     shards = {}
     for rank in root.ranks:
         coord = root_coordinate(root, rank)
         region = shard_region(tuple(t.shape), full, root.shape, coord)
         index = tuple(slice(o, o + n) for o, n in region)
-        group = [r for r in root.ranks
-                 if all(c == coord[m] or m in part_dims for m, c in enumerate(root_coordinate(root, r)))]
-        mean = sum(noise[r] for r in group) / len(group)
-        shards[rank] = (t / len(group) + noise[rank] - mean)[index].contiguous()
+        part = t / len(keys) + noise[tuple(coord[m] for m in part_dims)] - mean
+        shards[rank] = part[index].contiguous()
     x = dt.from_local(shards, mesh, full, shape=tuple(t.shape))
     if requires_grad:
         x.requires_grad_(True)

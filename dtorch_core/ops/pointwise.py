@@ -61,6 +61,23 @@ def _linear_groups(op):
     return groups
 
 
+def _is_float(dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _call_partials(call, partials):
+    """Partial placements that stay valid for this call (static arguments and dtypes decide)."""
+    if call.kwargs.get("rounding_mode") is not None:
+        return ()  # floor/trunc division rounds each partial value: not linear
+    dst = next((o.dtype for o in call.outputs if o is not None), None)
+    if dst is not None and not _is_float(dst) and any(_is_float(t.dtype) for t in call.inputs):
+        # rounding to an integer is monotone (max/min survive) but not linear; bool is neither
+        if dst == torch.bool:
+            return ()
+        return tuple(p for p in partials if p.reduce_op in ("max", "min"))
+    return partials
+
+
 def pointwise_rule(op):
     groups = _linear_groups(op)
     base = op._schema.name[6:].rstrip("_")
@@ -69,7 +86,7 @@ def pointwise_rule(op):
 
 
 def _pointwise(call, groups, partials):
-    return pointwise_strategies(call, linear=groups, partial_ops=partials)
+    return pointwise_strategies(call, linear=groups, partial_ops=_call_partials(call, partials))
 
 
 def like_rule(call):
