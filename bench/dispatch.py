@@ -20,11 +20,11 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import platform  # noqa: E402
-import signal  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -91,7 +91,9 @@ class DtorchSide:
 
         self.dt = dt
         dt.init(world_size=world, runner=runner)
-        self.session = dt.api.current_session()
+        from dtorch_core.runtime.session import current_session
+
+        self.session = current_session()
         mesh = dt.init_device_mesh("cpu", (world,))
         self.a_full, self.b_full = _streams.global_inputs(world)
         self.a = dt.distribute_tensor(self.a_full, mesh, [dt.Shard(0)])
@@ -123,23 +125,33 @@ class DtorchSide:
         """
         step, steps, n = _steps(stream, ops)
         a, b = self.a, self.b
-        runner = self.session.runner
-        held: list = []
         gc.collect()
         self.dt.synchronize()
-        runner.submit = held.append  # an instance attribute shadows the method
-        try:
+        with self.workers_paused():
             t0 = time.perf_counter()
             for _ in range(steps):
                 step(a, b)
             elapsed = time.perf_counter() - t0
-            self.session.flush()
-        finally:
-            del runner.submit
-        for batch in held:
-            runner.submit(batch)
         self.dt.synchronize()
         return elapsed / n * 1e6
+
+    @contextlib.contextmanager
+    def workers_paused(self):
+        """Hold every batch the session submits; on exit submit them in order."""
+        session = self.session
+        runner = session.runner
+        held: list = []
+        runner.submit = held.append  # an instance attribute shadows the method
+        try:
+            yield
+        finally:
+            # Under the session's lock, so the background flusher cannot slip a newer batch
+            # (e.g. a Delete) in ahead of the held ones.
+            with getattr(session, "_lock", contextlib.nullcontext()):
+                session.flush()
+                del runner.submit
+                for batch in held:
+                    runner.submit(batch)
 
     def values_ok(self) -> bool:
         step = _streams.STREAMS["mix"][0]
@@ -149,29 +161,30 @@ class DtorchSide:
         self.dt.shutdown()
 
 
-def profile_dtorch(runner: str, world: int, ops: int, top: int) -> str:
-    """cProfile of the controller thread issuing ``a + a`` (after warm-up)."""
+def profile_dtorch(runner: str, world: int, ops: int, warmup: int, top: int) -> str:
+    """cProfile of the controller issuing ``a + a`` with the workers paused (its own cost only).
+
+    The contention with the thread runner's workers is left out on purpose: cProfile would
+    charge GIL waits to whatever line happened to be running. The table's gap between
+    ``dtorch controller`` and the workers-paused row measures that part.
+    """
     import cProfile
     import io
     import pstats
 
-    import dtorch_core as dt
-
-    dt.init(world_size=world, runner=runner)
+    side = DtorchSide(runner, world, warmup)
     try:
-        mesh = dt.init_device_mesh("cpu", (world,))
-        a = dt.distribute_tensor(_streams.global_inputs(world)[0], mesh, [dt.Shard(0)])
-        for _ in range(300):
-            a + a
-        dt.synchronize()
+        a = side.a
+        side.dt.synchronize()
         prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(ops):
-            a + a
-        prof.disable()
-        dt.synchronize()
+        with side.workers_paused():
+            prof.enable()
+            for _ in range(ops):
+                a + a
+            prof.disable()
+        side.dt.synchronize()
     finally:
-        dt.shutdown()
+        side.close()
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("tottime").print_stats(top)
@@ -212,16 +225,31 @@ class DTensorAnchor:
         ]
         self.env = env
         self.proc = None
+        self.log = None
         self.attempts = 0
         self._start()
 
     def _start(self) -> None:
+        self._stop()
         self.attempts += 1
         self.cmd[self.cmd.index("--master_port") + 1] = str(_free_port())
         self.log = open(os.path.join(self.dir, f"torchrun-{self.attempts}.log"), "w")
-        # Own session: close() can end torchrun and its ranks as one group, by our child's id.
+        # Own session, so a Ctrl-C meant for the bench reaches torchrun only through _stop.
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
+
+    def _stop(self) -> None:
+        """End our torchrun (it ends its ranks on SIGTERM) and close its log."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        if self.log is not None:
+            self.log.close()
+            self.log = None
 
     def _log_tail(self) -> str:
         self.log.flush()
@@ -243,9 +271,9 @@ class DTensorAnchor:
         try:
             self._wait("ready")
         except RuntimeError:
-            if self.attempts >= 2:
+            if self.attempts >= 2 or self.proc.poll() is None:
                 raise
-            self._start()  # most likely the probed port was taken meanwhile
+            self._start()  # it exited early: most likely the probed port was taken meanwhile
             self._wait("ready")
 
     def round(self, r: int, stream: str) -> float:
@@ -260,13 +288,7 @@ class DTensorAnchor:
         return final
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                pass
-        self.log.close()
+        self._stop()
         self.tmp.cleanup()
 
 
@@ -301,7 +323,7 @@ def main(argv=None) -> int:
                         help="how rounds are summarised (default min: least disturbed by other load)")
     parser.add_argument("--warmup", type=int, default=300, help="warm-up ops per stream before timing (default 300)")
     parser.add_argument("--json", dest="json_out", help="also write every sample and summary to this JSON file")
-    parser.add_argument("--profile", action="store_true", help="afterwards, cProfile the dtorch controller on a + a")
+    parser.add_argument("--profile", action="store_true", help="afterwards, cProfile the dtorch controller on a + a (workers paused)")
     parser.add_argument("--profile-top", type=int, default=25)
     parser.add_argument("--anchor-timeout", type=float, default=120.0)
     args = parser.parse_args(argv)
@@ -395,7 +417,7 @@ def main(argv=None) -> int:
 
     if args.profile:
         print()
-        print(profile_dtorch(args.runner, world, args.ops, args.profile_top))
+        print(profile_dtorch(args.runner, world, args.ops, args.warmup, args.profile_top))
     return 0
 
 

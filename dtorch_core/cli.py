@@ -344,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     except DTorchError as exc:
         print(f"dtorch {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # the reader went away (`dtorch info | head`): stop quietly, like other commands do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

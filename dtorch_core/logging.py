@@ -47,14 +47,28 @@ def level_from(value: str | int | None = None) -> int:
         ) from None
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at the time of the write (it may be replaced later,
+    e.g. by pytest's capture or a redirect, and the one seen at configure time closed)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
+
 def configure(level: str | int | None = None, *, stream=None) -> None:
     """Configure structlog for this process: records at ``level`` and above, to ``stream``.
 
-    ``level`` defaults to ``$DTORCH_LOG_LEVEL`` or ``"warning"``; ``stream`` to ``sys.stderr``.
-    Call it from entry points only; calling it again replaces the configuration.
+    ``level`` defaults to ``$DTORCH_LOG_LEVEL`` or ``"warning"``; ``stream`` to the current
+    ``sys.stderr``. Call it from entry points only; calling it again replaces the configuration.
     """
     numeric = level_from(level)
-    stream = sys.stderr if stream is None else stream
+    stream = _CurrentStderr() if stream is None else stream
     colors = bool(getattr(stream, "isatty", lambda: False)()) and "NO_COLOR" not in os.environ
     structlog.configure(
         processors=[

@@ -38,31 +38,44 @@ def _differentiable(t):
 
 
 def distribute_spread(t, mesh, placements, requires_grad=False, seed=0):
-    """Like ``helpers.distribute`` but every rank of a Partial(sum) mesh dim holds a random,
-    non-zero part of the value (the parts add up to ``t``), so an op that forgets to reduce a
-    Partial input shows even where ``f(0) == 0``."""
+    """Like ``helpers.distribute`` but every rank of a Partial mesh dim holds a different part
+    of the value, so an op that forgets to reduce a Partial input shows even where
+    ``f(0) == 0``: random parts that add up to ``t`` (sum) or average to it (avg); for max/min
+    each element's true value sits on one random rank and the others hold smaller/larger ones.
+    """
     from dtorch_core.mesh import root_coordinate
     from dtorch_core.spec import shard_region
 
     root = mesh.root
     full = tuple(placements)
-    if not any(isinstance(p, dt.Partial) for p in full):
-        return distribute(t, mesh, placements, requires_grad)
-    assert mesh.is_root and all(p == P or not isinstance(p, dt.Partial) for p in full)
     part_dims = [m for m, p in enumerate(full) if isinstance(p, dt.Partial)]
+    if not part_dims:
+        return distribute(t, mesh, placements, requires_grad)
+    kinds = {full[m].reduce_op for m in part_dims}
+    assert mesh.is_root and len(kinds) == 1, "one Partial kind per tensor"
+    kind = kinds.pop()
     gen = torch.Generator().manual_seed(seed + 7)
-    # one random part per coordinate along the Partial mesh dims: replicas along the other mesh
-    # dims must hold equal values
+    # one part per coordinate along the Partial mesh dims: replicas along the other mesh dims
+    # must hold equal values
     keys = list(itertools.product(*(range(root.shape[m]) for m in part_dims)))
     noise = {k: torch.randn(t.shape, generator=gen, dtype=t.dtype) for k in keys}
     mean = sum(noise.values()) / len(keys)
+    owner = torch.randint(len(keys), t.shape, generator=gen)
+    parts = {}
+    for n, k in enumerate(keys):
+        if kind == "sum":
+            parts[k] = t / len(keys) + noise[k] - mean
+        elif kind == "avg":
+            parts[k] = t + noise[k] - mean
+        else:
+            off = noise[k].abs() * (owner != n)
+            parts[k] = t - off if kind == "max" else t + off
     shards = {}
     for rank in root.ranks:
         coord = root_coordinate(root, rank)
         region = shard_region(tuple(t.shape), full, root.shape, coord)
         index = tuple(slice(o, o + n) for o, n in region)
-        part = t / len(keys) + noise[tuple(coord[m] for m in part_dims)] - mean
-        shards[rank] = part[index].contiguous()
+        shards[rank] = parts[tuple(coord[m] for m in part_dims)][index].contiguous()
     x = dt.from_local(shards, mesh, full, shape=tuple(t.shape))
     if requires_grad:
         x.requires_grad_(True)
@@ -70,7 +83,7 @@ def distribute_spread(t, mesh, placements, requires_grad=False, seed=0):
 
 
 def check_op(fn, inputs, placements, mesh, *, grad=True, rtol=1e-5, atol=1e-5, seed=0,
-             expect_placements=None, spread=True):
+             expect_placements=None, spread=True, backward_fallback=()):
     """Compare ``fn(*inputs)`` on torch with ``fn`` on the inputs distributed with ``placements``.
 
     ``placements[i]`` is a placement list for input ``i`` or ``None`` to pass it as a plain
@@ -79,7 +92,9 @@ def check_op(fn, inputs, placements, mesh, *, grad=True, rtol=1e-5, atol=1e-5, s
     back-propagated with a random cotangent, and the input gradients are compared.
     ``expect_placements``: placements the first output must have (checks that the rule kept a
     shard or a Partial instead of gathering). Strict mode is on: an op without a valid rule
-    raises, and no op may have run through the replicated fallback.
+    raises, and no op may have run through the replicated fallback, except the ops named in
+    ``backward_fallback`` during the backward pass (ops of families these files do not cover;
+    each use names the op so it can go once that family has its rule).
     """
     dt.set_strict(True)
     msg = f"placements={placements}"
@@ -106,8 +121,13 @@ def check_op(fn, inputs, placements, mesh, *, grad=True, rtol=1e-5, atol=1e-5, s
         gen = torch.Generator().manual_seed(seed + 1)
         cots = [torch.randn(r.shape, generator=gen, dtype=r.dtype) for _, r in pairs]
         torch.autograd.backward([r for _, r in pairs], cots)
+        if backward_fallback:
+            dt.set_strict(False)
         torch.autograd.backward([o for o, _ in pairs],
                                 [dt.distribute_tensor(c, mesh, [R] * mesh.ndim) for c in cots])
+        fallen = set(dt.fallback_counts())
+        assert fallen <= set(backward_fallback), f"{msg}: fallback in backward {fallen}"
+        dt.set_strict(True)
         n = 0
         for x, r in zip(dist_in, ref_in):
             if r.requires_grad and isinstance(x, dt.DTensor):
@@ -118,7 +138,7 @@ def check_op(fn, inputs, placements, mesh, *, grad=True, rtol=1e-5, atol=1e-5, s
                 assert_close(x.grad.full_tensor(), r.grad, rtol=rtol, atol=atol, msg=f"{msg} (grad)")
                 n += 1
         assert n, f"{msg}: no gradient compared"
-    assert dt.fallback_counts() == {}, f"{msg}: fallback {dt.fallback_counts()}"
+    assert set(dt.fallback_counts()) <= set(backward_fallback), f"{msg}: fallback {dt.fallback_counts()}"
     return out
 
 
@@ -155,13 +175,19 @@ UNARY = {
     "div_scalar": lambda x: x / 4,
     "rdiv_scalar": lambda x: 2 / (x.abs() + 1),
     "sub_alpha_self": lambda x: torch.sub(x, x, alpha=0.5),
+    "hardswish": torch.nn.functional.hardswish,
+    "hardsigmoid": torch.nn.functional.hardsigmoid,
+    "hardtanh": lambda x: torch.nn.functional.hardtanh(x, -0.5, 0.5),
+    "leaky_relu": lambda x: torch.nn.functional.leaky_relu(x, 0.1),
+    "elu": torch.nn.functional.elu,
+    "softplus": lambda x: torch.nn.functional.softplus(x, beta=2),
 }
 
 
 @pytest.mark.parametrize("name", sorted(UNARY))
 def test_unary(mesh, name):
     t = torch.randn(10, 7)
-    for pl in sample_placements([t], mesh, 6, seed=len(name)):
+    for pl in sample_placements([t], mesh, 4, seed=len(name)):
         check_op(UNARY[name], [t], pl, mesh)
 
 
@@ -187,6 +213,15 @@ BINARY = {
     "maximum": torch.maximum,
     "lerp_scalar": lambda a, b: torch.lerp(a, b, 0.3),
     "where": lambda a, b: torch.where(a > 0, a, b),
+    "rsub": lambda a, b: torch.rsub(a, b, alpha=3),
+    "remainder": lambda a, b: torch.remainder(a, b.abs() + 0.5),
+}
+# elementwise ops without a derivative: forward only
+BINARY_NO_GRAD = {
+    "floor_divide": lambda a, b: a // (b.abs() + 0.5),
+    "floor_divide_scalar": lambda a, b: (a - b) // 0.3,
+    "eq_and_lt": lambda a, b: (a.round() == b.round()) | (a < b),
+    "int_ops": lambda a, b: (a * 4).int() * 3 - (b * 4).int() // 2,
 }
 SHAPES = {
     "same": ((10, 7), (10, 7)),
@@ -196,12 +231,19 @@ SHAPES = {
 }
 
 
-@pytest.mark.parametrize("shapes", sorted(SHAPES))
 @pytest.mark.parametrize("name", sorted(BINARY))
-def test_binary_broadcast(mesh, name, shapes):
-    a, b = (torch.randn(s) for s in SHAPES[shapes])
-    for pl in sample_placements([a, b], mesh, 4, seed=hash((name, shapes)) % 1000):
-        check_op(BINARY[name], [a, b], pl, mesh)
+def test_binary_broadcast(mesh, name):
+    for k, shapes in enumerate(sorted(SHAPES)):
+        a, b = (torch.randn(s) for s in SHAPES[shapes])
+        for pl in sample_placements([a, b], mesh, 3, seed=k + len(name)):
+            check_op(BINARY[name], [a, b], pl, mesh)
+
+
+@pytest.mark.parametrize("name", sorted(BINARY_NO_GRAD))
+def test_binary_no_grad(mesh, name):
+    a, b = torch.randn(10, 7), torch.randn(7)
+    for pl in sample_placements([a, b], mesh, 4, seed=len(name)):
+        check_op(BINARY_NO_GRAD[name], [a, b], pl, mesh, grad=False)
 
 
 TERNARY = {
@@ -335,3 +377,32 @@ def test_nonlinear_of_partial_reduces_first(mesh, name):
     grad = name not in ("to_int", "to_half_int", "gt", "floor_div", "trunc_div")
     for pl in ([P] * mesh.ndim, [P] + [S(0)] * (mesh.ndim - 1), [S(1)] + [P] * (mesh.ndim - 1)):
         check_op(NONLINEAR_OF_PARTIAL[name], [t], [pl], mesh, grad=grad)
+
+
+# Partial(avg/max/min): linear ops keep avg, value-preserving ops keep every kind, and anything
+# else sees the reduced value. ``None``: the result must be right, whatever its placement.
+PARTIAL_KINDS = [
+    ("clone_max", lambda a: a.clone(), "max", "max"),
+    ("to_f64_min", lambda a: a.to(torch.float64), "min", "min"),
+    ("to_int_max", lambda a: a.mul(4).round().to(torch.int64), "max", None),
+    ("add_avg", lambda a: a + a, "avg", "avg"),
+    ("mul_scalar_avg", lambda a: a * 3, "avg", "avg"),
+    ("neg_avg", torch.neg, "avg", "avg"),
+    ("neg_max", torch.neg, "max", None),
+    ("mul_negative_min", lambda a: a * -2, "min", None),
+    ("sub_max", lambda a: a - a.detach().clone(), "max", None),
+    ("add_scalar_avg", lambda a: a + 1, "avg", None),
+    ("relu_max", torch.relu, "max", None),
+    ("exp_avg", torch.exp, "avg", None),
+    ("where_min", lambda a: torch.where(a > 0, a, -a), "min", None),
+]
+
+
+@pytest.mark.parametrize("case", PARTIAL_KINDS, ids=[c[0] for c in PARTIAL_KINDS])
+def test_partial_kinds(mesh, case):
+    name, fn, kind, kept = case
+    t = torch.randn(10, 7)
+    choices = [[dt.Partial(kind)] * mesh.ndim] + ([[dt.Partial(kind), S(0)]] if mesh.ndim == 2 else [])
+    for pl in choices:
+        expect = None if kept is None else [dt.Partial(kept) if isinstance(p, dt.Partial) else p for p in pl]
+        check_op(fn, [t], [pl], mesh, grad=name != "to_int_max", expect_placements=expect)

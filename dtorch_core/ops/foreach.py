@@ -8,18 +8,49 @@ import torch
 
 aten = torch.ops.aten
 
+# foreach ops whose single-tensor op has another name (maximum/minimum take no Scalar)
+_SCALAR_RENAMES = {"maximum": "clamp_min", "minimum": "clamp_max"}
 
-def _element_op(name: str):
+
+def _element(name: str, overload: str):
+    """(single-tensor packet, writes back) for ``_foreach_<name>.<overload>``.
+
+    ``writes back``: the foreach op is in place but the single op has no in-place form
+    (``maximum_``), so the result of the out-of-place op is copied into ``self``.
+    """
     base = name[len("_foreach_"):]
-    if base.rstrip("_") == "norm":
-        return aten.linalg_vector_norm
-    return getattr(aten, base)
+    inplace = base.endswith("_")
+    core = base.rstrip("_")
+    if core == "norm":
+        return aten.linalg_vector_norm, False
+    if overload.startswith("Scalar") and core in _SCALAR_RENAMES:
+        core = _SCALAR_RENAMES[core]
+    if inplace:
+        packet = getattr(aten, core + "_", None)
+        if packet is not None:
+            return packet, False
+        return getattr(aten, core), True
+    return getattr(aten, core), False
+
+
+def _scalars(value):
+    """A ``Tensor scalars`` argument (one value per list element) as Python numbers."""
+    from ..tensor import DTensor
+
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return value.tolist()
 
 
 def foreach_decomposition(op, *args, **kwargs):
     """Run ``op`` as one call of its single-tensor op per list element."""
     schema = op._schema
-    element = _element_op(schema.name.split("::")[1])
+    element, write_back = _element(schema.name.split("::")[1], op._overloadname)
+    names = [a.name for a in schema.arguments]
+    args = list(args)
+    for i, a in enumerate(args):
+        if i < len(names) and names[i] == "scalars" and isinstance(a, torch.Tensor):
+            args[i] = _scalars(a)
     length = next(len(a) for a in args if isinstance(a, (list, tuple)))
     list_positions = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
     results = []
@@ -28,11 +59,17 @@ def foreach_decomposition(op, *args, **kwargs):
         for i in list_positions:
             el_args[i] = args[i][k]
         if element is aten.linalg_vector_norm:
-            ord_ = el_args[1] if len(el_args) > 1 else 2
-            results.append(aten.linalg_vector_norm.default(el_args[0], ord_, None, False, dtype=kwargs.get("dtype")))
-        else:
-            el_args, el_kwargs = _split_kwarg_only(element, el_args, kwargs)
-            results.append(element(*el_args, **el_kwargs))
+            # _foreach_norm(self, ord=2, dtype=None): dtype may come positionally
+            ord_ = el_args[1] if len(el_args) > 1 else kwargs.get("ord", 2)
+            dtype = el_args[2] if len(el_args) > 2 else kwargs.get("dtype")
+            results.append(aten.linalg_vector_norm.default(el_args[0], ord_, None, False, dtype=dtype))
+            continue
+        el_args, el_kwargs = _split_kwarg_only(element, el_args, kwargs)
+        out = element(*el_args, **el_kwargs)
+        if write_back:
+            aten.copy_.default(el_args[0], out)
+            out = el_args[0]
+        results.append(out)
     if not schema.returns:
         return None
     return results
@@ -64,7 +101,7 @@ def register(registry) -> None:
             if overload == "out" or "out" in overload:
                 continue
             try:
-                _element_op(name)
+                _element(name, overload)
             except AttributeError:
                 continue
             registry.add_decomposition(op, functools.partial(foreach_decomposition, op))

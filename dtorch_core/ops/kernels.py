@@ -67,7 +67,9 @@ def embedding_kernel(weight, indices, padding_idx=-1, scale_grad_by_freq=False, 
         return aten.embedding.default(weight, indices, padding_idx, scale_grad_by_freq, sparse)
     local = indices - vocab_offset
     inside = (local >= 0) & (local < vocab_size)
-    out = aten.embedding.default(weight, local.clamp(0, max(vocab_size - 1, 0)), -1, False, False)
+    if vocab_size == 0:  # an empty shard of the table (more ranks than rows): all zeros
+        return weight.new_zeros(tuple(indices.shape) + (weight.shape[1],))
+    out = aten.embedding.default(weight, local.clamp(0, vocab_size - 1), -1, False, False)
     return out * inside.unsqueeze(-1).to(out.dtype)
 
 
@@ -79,9 +81,91 @@ def embedding_backward_kernel(grad, indices, num_weights, padding_idx, scale_gra
     return full.narrow(0, vocab_offset, vocab_size).clone()
 
 
+# -- random ops: the global tensor is drawn from the seed on every rank and each rank keeps its
+#    region, so values do not depend on the placement or the runner ---------------------------
+def _global_uniform(x, seed, region, global_shape):
+    gen = _generator(x.device, seed)
+    return torch.rand(global_shape, generator=gen, device=x.device)[_region_index(region)]
+
+
+def bernoulli_kernel(x, p=None, *, generator=None, op, region, global_shape, seed):
+    """bernoulli / bernoulli_ (float or tensor ``p``; ``bernoulli(x)`` draws with probabilities x)."""
+    if x.device.type == "meta":
+        return x if op.endswith("_") else torch.empty_like(x)
+    u = _global_uniform(x, seed, region, global_shape)
+    if op.endswith("_"):
+        return x.copy_(u < (0.5 if p is None else p))
+    return (u < (x if p is None else p)).to(x.dtype)
+
+
+def random_fill_kernel(x, *args, generator=None, op, region, global_shape, seed, **kwargs):
+    """uniform_ / normal_ / random_-style in-place fills and rand_like / randn_like."""
+    if x.device.type == "meta":
+        return x if op.endswith("_") else torch.empty_like(x, dtype=kwargs.get("dtype"))
+    gen = _generator(x.device, seed)
+    if op in ("rand_like", "randn_like"):
+        maker = torch.rand if op == "rand_like" else torch.randn
+        full = maker(global_shape, generator=gen, dtype=kwargs.get("dtype") or x.dtype, device=x.device)
+        return full[_region_index(region)].clone()
+    full = torch.empty(global_shape, dtype=x.dtype, device=x.device)
+    getattr(full, op)(*args, generator=gen, **kwargs)
+    return x.copy_(full[_region_index(region)])
+
+
+# -- attention: the CPU kernels divide by zero on an empty batch/head shard -------------------
+ATTENTION_OPS = (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+)
+
+
+def attention_overloads():
+    for name in ATTENTION_OPS:
+        packet = getattr(aten, name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            yield getattr(packet, overload)
+
+
+def attention_kernel_name(op) -> str:
+    return f"dtorch::attention/{op._schema.name}.{op._overloadname}"
+
+
+def empty_safe(op):
+    """Run ``op``, or return zero outputs of the right shapes when the batch or head dim of a
+    local shard is empty (uneven shards leave trailing ranks with nothing)."""
+
+    def kernel(*args, **kwargs):
+        tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+        if not any(t.ndim >= 3 and 0 in t.shape[:2] for t in tensors):
+            return op(*args, **kwargs)
+        device = tensors[0].device
+
+        def meta(a):
+            return a.to("meta") if isinstance(a, torch.Tensor) else a
+
+        out = op(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
+
+        def real(o):
+            if not isinstance(o, torch.Tensor):
+                return o
+            return torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=device).zero_()
+
+        return tuple(real(o) for o in out) if isinstance(out, (tuple, list)) else real(out)
+
+    return kernel
+
+
 def register(registry) -> None:
     registry.add("dtorch::mean", mean_kernel)
     registry.add("dtorch::factory", factory_kernel, seeded=True)
     registry.add("dtorch::native_dropout", native_dropout_kernel, seeded=True)
+    registry.add("dtorch::bernoulli", bernoulli_kernel, seeded=True)
+    registry.add("dtorch::random_fill", random_fill_kernel, seeded=True)
     registry.add("dtorch::embedding", embedding_kernel)
     registry.add("dtorch::embedding_backward", embedding_backward_kernel)
+    for op in attention_overloads():
+        registry.add(attention_kernel_name(op), empty_safe(op))

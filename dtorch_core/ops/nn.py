@@ -6,6 +6,7 @@ import torch
 
 from ..placement import Partial, Shard
 from .common import LINEAR_PARTIALS, R, add_all, pointwise_strategies, replicate_all
+from .kernels import attention_kernel_name, attention_overloads
 from .registry import Rule, Strategy
 
 aten = torch.ops.aten
@@ -70,9 +71,11 @@ def embedding_localize(local):
 
 def embedding_backward_rule(call):
     grad, idx = call.inputs[0], call.inputs[1]
+    scale_grad_by_freq = bool(call.args[4]) if len(call.args) > 4 else bool(call.kwargs.get("scale_grad_by_freq"))
     out = [replicate_all(call)]
-    for d in range(idx.ndim):
-        out.append(Strategy((Shard(d), Shard(d)), (PSUM,)))
+    if not scale_grad_by_freq:  # index frequencies must be counted over every index
+        for d in range(idx.ndim):
+            out.append(Strategy((Shard(d), Shard(d)), (PSUM,)))
     out.append(Strategy((Shard(grad.ndim - 1), R), (Shard(1),)))
     out.append(Strategy((R, R), (Shard(0),)))  # rows of a vocab-sharded table
     for p in LINEAR_PARTIALS:
@@ -85,27 +88,73 @@ def embedding_backward_localize(local):
     return local.args, dict(local.kwargs, vocab_offset=off, vocab_size=length)
 
 
-def batch_dims_rule(dims=(0, 1)):
-    """Attention-like ops: shards on the batch/head dims pass through every input and output
-    whose size matches the query's (broadcast inputs such as masks stay Replicate)."""
+MASK_ARGS = ("attn_mask", "attn_bias")
 
-    def strategies(call):
-        q = call.inputs[0]
-        out = [replicate_all(call)]
-        for d in dims:
-            if d >= q.ndim:
-                continue
-            ins = tuple(Shard(d) if t.ndim > d and t.shape[d] == q.shape[d] else R for t in call.inputs)
-            outs = tuple(
-                R if o is None else (Shard(d) if o.ndim > d and o.shape[d] == q.shape[d] else R)
-                for o in call.outputs
-            )
-            if any(o is not None and p == R and o.numel() > 0 for o, p in zip(call.outputs, outs)):
-                continue
-            out.append(Strategy(ins, outs))
-        return out
 
-    return strategies
+def tensor_arg_names(op, args, kwargs) -> list:
+    """The schema argument name of each tensor input, in flattening order."""
+    names = []
+    for i, arg in enumerate(op._schema.arguments):
+        v = kwargs.get(arg.name) if arg.name in kwargs else (args[i] if i < len(args) else None)
+        if isinstance(v, torch.Tensor):
+            names.append(arg.name)
+        elif isinstance(v, (list, tuple)):
+            names.extend(arg.name for a in v if isinstance(a, torch.Tensor))
+    return names
+
+
+def attention_rule(call):
+    """Attention ops (query ``[B, H, L, E]``): a shard of the batch or head dim passes through
+    every input and output that has that dim. Masks and biases broadcast right-aligned against
+    ``[B, H, L, S]`` (a ``[L, S]`` mask has no batch dim even when ``L == B``): they are
+    sharded where they have the dim and Replicate where they broadcast over it. A bias gradient
+    over a broadcast dim is a Partial sum."""
+    names = tensor_arg_names(call.op, call.args, call.kwargs)
+    if "query" not in names:
+        return [replicate_all(call)]
+    q = call.inputs[names.index("query")]
+    mask = next((call.inputs[i] for i, n in enumerate(names) if n in MASK_ARGS), None)
+    grad_bias_index = 3 if call.op.name().endswith("efficient_attention_backward") else None
+    out = [replicate_all(call)]
+    for d in (0, 1):
+        if d >= q.ndim:
+            continue
+        mask_placement = None
+        if mask is not None:
+            md = d - (q.ndim - mask.ndim)
+            if md >= 0 and mask.shape[md] == q.shape[d]:
+                mask_placement = Shard(md)
+            elif md < 0 or mask.shape[md] == 1:
+                mask_placement = R
+            else:
+                continue
+        ins = []
+        for name, t in zip(names, call.inputs):
+            if name in MASK_ARGS:
+                ins.append(mask_placement)
+            elif t.ndim > d and t.shape[d] == q.shape[d]:
+                ins.append(Shard(d))
+            elif t.ndim <= 1:
+                ins.append(R)  # RNG state scalars
+            else:
+                break
+        if len(ins) != len(names):
+            continue
+        outs = []
+        for k, o in enumerate(call.outputs):
+            if o is None:
+                outs.append(R)
+            elif k == grad_bias_index:
+                outs.append(PSUM if mask_placement == R else mask_placement)
+            elif o.ndim > d and o.shape[d] == q.shape[d]:
+                outs.append(Shard(d))
+            elif o.ndim <= 1 or o.numel() == 0:
+                outs.append(R)
+            else:
+                break
+        if len(outs) == len(call.outputs):
+            out.append(Strategy(tuple(ins), tuple(outs)))
+    return out
 
 
 def nll_loss_rule(call):
@@ -149,13 +198,29 @@ def nll_loss_backward_rule(call):
     return out
 
 
+def random_localize(op_name):
+    """Random ops draw the global tensor from the seed and keep their region (see kernels)."""
+
+    def localize(local):
+        kwargs = {k: v for k, v in local.kwargs.items() if k != "generator"}
+        spec = local.out_specs[0]
+        return local.args, dict(kwargs, op=op_name, region=local.out_regions[0], global_shape=spec.shape)
+
+    return localize
+
+
+def random_rule(call):
+    # no Partial: a random tensor is not a sum of per-rank parts
+    return pointwise_strategies(call)
+
+
 def dropout_localize(local):
     spec = local.out_specs[0]
     return local.args, dict(local.kwargs, region=local.out_regions[0], global_shape=spec.shape)
 
 
 def register(registry) -> None:
-    for op in (aten._softmax.default, aten._log_softmax.default):
+    for op in (aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default):
         registry.add(op, softmax_rule, replace=True)
     for op in (aten._softmax_backward_data.default, aten._log_softmax_backward_data.default):
         registry.add(op, softmax_backward_rule, replace=True)
@@ -166,16 +231,17 @@ def register(registry) -> None:
         aten.embedding_dense_backward.default,
         Rule(embedding_backward_rule, embedding_backward_localize, "dtorch::embedding_backward"),
     )
-    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
-                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-                 "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
-                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"):
-        packet = getattr(aten, name, None)
-        if packet is not None:
-            add_all(registry, packet, batch_dims_rule())
+    for op in attention_overloads():
+        registry.add(op, Rule(attention_rule, kernel=attention_kernel_name(op)), replace=True)
     registry.add(aten.nll_loss_forward.default, nll_loss_rule)
     registry.add_decomposition(aten.nll_loss_forward.default, nll_loss_forward_decomposition)
     registry.add(aten.nll_loss_backward.default, nll_loss_backward_rule)
+    for op in (aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.bernoulli.p, aten.bernoulli.default):
+        name = op._schema.name.split("::")[1]
+        registry.add(op, Rule(random_rule, random_localize(name), "dtorch::bernoulli"), replace=True)
+    for op in (aten.uniform_.default, aten.normal_.default, aten.rand_like.default, aten.randn_like.default):
+        name = op._schema.name.split("::")[1]
+        registry.add(op, Rule(random_rule, random_localize(name), "dtorch::random_fill"), replace=True)
     registry.add(
         aten.native_dropout.default,
         Rule(lambda call: pointwise_strategies(call), dropout_localize, "dtorch::native_dropout"),

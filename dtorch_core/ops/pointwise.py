@@ -32,7 +32,18 @@ LINEAR = {
     "sigmoid_backward": [{0}],
     "native_dropout_backward": [{0}],
     "copy": [{0, 1}],
+    "rsub": [{0, 1}],
+    "leaky_relu_backward": [{0}],
+    "hardtanh_backward": [{0}],
+    "elu_backward": [{0}],
+    "softplus_backward": [{0}],
+    "hardswish_backward": [{0}],
+    "hardsigmoid_backward": [{0}],
 }
+# elementwise ops that lack the ``pointwise`` tag
+UNTAGGED = ("floor_divide", "floor_divide_", "rsub", "hardswish", "hardswish_", "leaky_relu_backward",
+            "hardtanh_backward", "elu_backward", "softplus_backward", "hardswish_backward",
+            "hardsigmoid_backward")
 # ops whose Partial(max)/Partial(min) inputs pass through unchanged (values are not changed)
 VALUE_PRESERVING = {"clone", "alias", "detach", "_to_copy"}
 
@@ -54,7 +65,7 @@ def all_aten_overloads():
 def _linear_groups(op):
     base = op._schema.name[6:].rstrip("_")
     groups = LINEAR.get(base, [])
-    if base in ("add", "sub") and op._overloadname not in ("Tensor", "out"):
+    if base in ("add", "sub", "rsub") and op._overloadname not in ("Tensor", "out"):
         return []  # adding a scalar to each partial value is not linear
     if base == "mul" and op._overloadname == "Scalar":
         return [{0}]
@@ -86,7 +97,19 @@ def pointwise_rule(op):
 
 
 def _pointwise(call, groups, partials):
-    return pointwise_strategies(call, linear=groups, partial_ops=_call_partials(call, partials))
+    return pointwise_strategies(call, linear=groups or _call_groups(call), partial_ops=_call_partials(call, partials))
+
+
+def _call_groups(call):
+    """Linearity that depends on the static arguments of this call."""
+    op = call.op
+    if op.overloadpacket in (aten.masked_fill, aten.masked_fill_):
+        if op._overloadname.startswith("Tensor"):
+            return [{0, 2}]  # where(mask, value, self): linear in self and value together
+        value = call.args[2] if len(call.args) > 2 else call.kwargs.get("value")
+        if isinstance(value, (int, float, bool)) and value == 0:
+            return [{0}]  # filling zeros keeps a sum of partial values
+    return []
 
 
 def like_rule(call):
@@ -134,6 +157,11 @@ def register(registry) -> None:
         tags = op.tags
         if torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags:
             registry.add(op, pointwise_rule(op))
+    for name in UNTAGGED:
+        packet = getattr(aten, name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            registry.add(op, pointwise_rule(op), replace=True)
     for packet in (aten.clone, aten.alias, aten.detach, aten._to_copy, aten.copy_, aten.copy,
                    aten.lift_fresh, aten.positive, aten._conj, aten.masked_fill, aten.masked_fill_,
                    aten.where, aten.native_dropout_backward):

@@ -117,6 +117,10 @@ def register(registry) -> None:
     add_all(registry, aten.amin, reduction(1, 2, Partial("min"), (Partial("min"),)))
     registry.add(aten.max.default, reduction(None, None, Partial("max"), (Partial("max"),)), replace=True)
     registry.add(aten.min.default, reduction(None, None, Partial("min"), (Partial("min"),)), replace=True)
+    # max()/min() fail on an empty shard and their meta kernels do not say so: plan them as
+    # amax/amin over every dim, whose meta check rejects placements that leave a shard empty
+    registry.add_decomposition(aten.max.default, lambda x: aten.amax.default(x, []))
+    registry.add_decomposition(aten.min.default, lambda x: aten.amin.default(x, []))
     for packet in (aten.max, aten.min):
         registry.add(packet.dim, reduction(1, 2), replace=True)
     for packet in (aten.argmax, aten.argmin, aten.logsumexp, aten.any, aten.all, aten.count_nonzero,
@@ -124,6 +128,7 @@ def register(registry) -> None:
         add_all(registry, packet, reduction(1, 2))
     # cumsum keeps every dim: its "reduced" dim must simply not be sharded
     add_all(registry, aten.cumsum, reduction(1, "keep"))
+    add_all(registry, aten.cumprod, reduction(1, "keep"))
     add_all(registry, aten.prod, reduction(1, 2))
     registry.add(aten.prod.default, reduction(None, None), replace=True)
     for packet in (aten.var, aten.std, aten.var_mean, aten.std_mean):

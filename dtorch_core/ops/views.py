@@ -118,7 +118,58 @@ def rebuild_backward(dim_arg_index, drop):
     return Rule(strategies, local_out_shape_arg(1))
 
 
+def inplace_view_decomposition(inplace, out_of_place):
+    """``squeeze_`` and friends change the shape of their input: run the out-of-place view
+    (planned with its rule), then make the input's handle show the result, as
+    ``torch.utils._python_dispatch.return_and_correct_aliasing`` does for wrapper subclasses:
+    the wrapper's sizes and strides are updated by running the op on it without dispatch."""
+
+    def run(x, *args, **kwargs):
+        out = out_of_place(x, *args, **kwargs)
+        with torch.utils._mode_utils.no_dispatch():
+            meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                inplace(x, *args, **kwargs)
+            finally:
+                torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+        x._spec, x._view, x._handle = out._spec, out._view, out._handle
+        return x
+
+    return run
+
+
+def squeeze_decomposition(x, dim=None):
+    """Squeeze exactly the dims of global size 1: on an uneven shard a local dim can have size 1
+    where the global one does not, and a plain ``squeeze()`` would drop it there."""
+    from ..dispatch import dispatch_direct
+
+    nd = x.ndim
+    if dim is None:
+        dims = range(nd)
+    elif isinstance(dim, int):
+        dims = [dim]
+    else:
+        dims = dim
+    dims = sorted({_norm(d, nd) for d in dims if x.shape[_norm(d, nd)] == 1}) if nd else []
+    if not dims:
+        return dispatch_direct(aten.alias.default, (x,), {})
+    return dispatch_direct(aten.squeeze.dims, (x, dims), {})
+
+
+INPLACE_VIEWS = {
+    aten.squeeze_.default: aten.squeeze.default,
+    aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.dims: aten.squeeze.dims,
+    aten.unsqueeze_.default: aten.unsqueeze.default,
+    aten.transpose_.default: aten.transpose.int,
+    aten.t_.default: aten.t.default,
+}
+
+
 def register(registry) -> None:
+    for inplace, out_of_place in INPLACE_VIEWS.items():
+        registry.add_decomposition(inplace, inplace_view_decomposition(inplace, out_of_place), replace=True)
     for op in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
         registry.add(op, Rule(view_rule, local_out_shape_arg(1)), replace=True)
     registry.add(aten.expand.default, Rule(expand_rule, local_out_shape_arg(1)), replace=True)
@@ -126,6 +177,8 @@ def register(registry) -> None:
     for op in (aten.transpose.int, aten.t.default):
         registry.add(op, transpose_rule, replace=True)
     add_all(registry, aten.squeeze, squeeze_rule)
+    for name in ("default", "dim", "dims"):
+        registry.add_decomposition(getattr(aten.squeeze, name), squeeze_decomposition, replace=True)
     registry.add(aten.unsqueeze.default, unsqueeze_rule, replace=True)
     registry.add(aten.select.int, keep_dims_except(1, drop=True), replace=True)
     registry.add(aten.slice.Tensor, keep_dims_except(1), replace=True)

@@ -42,7 +42,7 @@ class Session:
         self.ops = plugins.registry("ops")
         self.kernels = plugins.registry("kernels")
         self.strict = strict
-        self.track_source = track_source
+        self.track_source = track_source and os.environ.get("DTORCH_TRACK_SOURCE", "1") != "0"
         self.batch_size = batch_size
         self.timeout = timeout
         self.plans: dict = {}
@@ -52,8 +52,8 @@ class Session:
         self._plan = 0
         self._request = 0
         self._meshes: dict = {}
-        self._pending: list = []
-        self._releases: list = []
+        self._pending: collections.deque = collections.deque()
+        self._releases: collections.deque = collections.deque()
         self._lock = threading.RLock()
         self._seed = 0
         self._seed_counter = 0
@@ -109,37 +109,46 @@ class Session:
         return (self._seed * 1_000_003 + self._seed_counter * 7_919) % (2**62)
 
     # -- stream ---------------------------------------------------------------------------
+    # ``_pending`` and ``_releases`` are deques: append and popleft are atomic, so the hot path
+    # takes no lock and a concurrent flush (the timer thread) never loses an entry.
     def emit(self, ins) -> None:
-        with self._lock:
-            self._pending.append(ins)
-            if len(self._pending) >= self.batch_size:
-                self._flush_locked()
+        self._pending.append(ins)
+        if len(self._pending) >= self.batch_size:
+            self.flush()
 
     def release(self, tid: int) -> None:
-        with self._lock:
-            self._releases.append(tid)
+        self._releases.append(tid)
 
     def release_many(self, tids) -> None:
-        with self._lock:
-            self._releases.extend(tids)
+        self._releases.extend(tids)
 
     def flush(self) -> None:
         with self._lock:
             self._flush_locked()
+
+    def _drain(self, queue) -> list:
+        out = []
+        pop = queue.popleft
+        try:
+            for _ in range(len(queue)):
+                out.append(pop())
+        except IndexError:
+            pass
+        return out
 
     def _flush_locked(self) -> None:
         if self._closed:
             self._pending.clear()
             self._releases.clear()
             return
-        batch = self._pending
-        if self._releases:
-            batch.append(Delete(tuple(self._releases)))
-            self._releases = []
-        if not batch:
-            return
-        self._pending = []
-        self.runner.submit(batch)
+        # releases first: every use of a released id was emitted before its release, so it is
+        # in the pending instructions drained next, ahead of the Delete
+        freed = self._drain(self._releases)
+        batch = self._drain(self._pending)
+        if freed:
+            batch.append(Delete(tuple(freed)))
+        if batch:
+            self.runner.submit(batch)
 
     def _flush_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
@@ -164,9 +173,7 @@ class Session:
         with self._lock:
             self._request += 1
             rid = self._request
-            if self._releases:  # frees issued before the read go first
-                self._pending.append(Delete(tuple(self._releases)))
-                self._releases = []
+            self._flush_locked()  # everything issued before the read, frees included, goes first
             self._pending.append(make(rid))
             self._flush_locked()
         return self.runner.wait_replies(rid, count, self.timeout)
