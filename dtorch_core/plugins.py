@@ -97,7 +97,8 @@ def build_plugins() -> Plugins:
                 f"plugin {ep.name!r} ({ep.value}) failed to load: {exc!r}; "
                 f"fix or uninstall it, or set DTORCH_DISABLE_PLUGINS={ep.name}"
             ) from exc
-    if os.environ.get("DTORCH_TRACE_PLUGINS"):
+    trace = os.environ.get("DTORCH_TRACE_PLUGINS", "") not in ("", "0")
+    if trace:
         pm.trace.root.setwriter(lambda msg: log.debug("pluggy", msg=msg.rstrip()))
         pm.enable_tracing()
     registries = {}
@@ -105,6 +106,8 @@ def build_plugins() -> Plugins:
         registry = _make_registry(kind)
         for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):
             registry.current_plugin = impl.plugin_name
+            if trace:
+                log.debug("plugin hook", plugin=impl.plugin_name, hook=hook_name)
             try:
                 impl.function(registry=registry)
             except PluginError:

@@ -387,11 +387,6 @@ def test_cli_reports_a_broken_plugin(fresh_plugins, broken_site, capsys):
 # ---------------------------------------------------------------------------------------------
 # DTORCH_TRACE_PLUGINS
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.xfail(
-    reason="build_plugins calls hook implementations directly, so pluggy's tracing never fires; "
-    "remove this marker once it logs each (plugin, hook) registration call when tracing is on",
-    strict=False,
-)
 def test_trace_plugins_logs_every_registration_call(fresh_plugins):
     import structlog
     from structlog.testing import capture_logs
