@@ -27,24 +27,10 @@ def _check_layout(t, mesh, spec, shape, dtype):
     assert isinstance(t, dt.DTensor)
     assert t.shape == shape and t.dtype == dtype
     assert t.placements == tuple(on_mesh(mesh, spec))
-    # every rank holds the local shape its placement gives
-    root = mesh.root
-    for rank, local in t.local_shards().items():
-        coord = next(c for c in _coords(root) if root.ranks[_flat(root.shape, c)] == rank)
-        assert tuple(local.shape) == t._spec.local_shape(coord)
-
-
-def _coords(root):
-    import itertools
-
-    return itertools.product(*(range(n) for n in root.shape))
-
-
-def _flat(shape, coord):
-    i = 0
-    for n, c in zip(shape, coord):
-        i = i * n + c
-    return i
+    # every rank holds the shard distribute_tensor would give it
+    ref = dt.distribute_tensor(torch.zeros(shape, dtype=dtype), mesh, on_mesh(mesh, spec))
+    expected = {r: s.shape for r, s in ref.local_shards().items()}
+    assert {r: s.shape for r, s in t.local_shards().items()} == expected
 
 
 # ---------------------------------------------------------------------------------------------

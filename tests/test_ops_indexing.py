@@ -10,7 +10,7 @@ import torch
 import dtorch_core as dt
 
 from .helpers import distribute
-from .test_ops_nn import check, on_mesh
+from .test_ops_nn import check
 
 R, P = dt.Replicate(), dt.Partial("sum")
 S0, S1, S2 = dt.Shard(0), dt.Shard(1), dt.Shard(2)
@@ -56,6 +56,7 @@ MASKED_FILL_CASES = [  # (mask shape, placements of self, placements of mask, va
 ]
 
 
+@pytest.mark.filterwarnings("ignore:dtorch. aten.masked_fill_.Scalar has no sharding rule")
 @pytest.mark.parametrize("mask_shape,xspec,mspec,value", MASKED_FILL_CASES, ids=str)
 @pytest.mark.parametrize("inplace", [False, True])
 def test_masked_fill(mesh, mask_shape, xspec, mspec, value, inplace):

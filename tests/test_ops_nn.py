@@ -123,6 +123,7 @@ def test_rms_norm(mesh, spec, with_weight):
           grad=(0, 1) if with_weight else (0,))
 
 
+@pytest.mark.filterwarnings("ignore:dtorch. aten.add_.Scalar has no sharding rule")
 def test_rms_norm_over_sharded_normalized_dim(mesh):
     # mean over the sharded dim is a Partial sum, and rms_norm adds eps to it in place
     # (aten.add_.Scalar), which no rule allows on a Partial tensor: values only, fallback allowed
@@ -197,12 +198,16 @@ def test_sdpa(mesh, spec, attn):
     tensors, specs = [q, k, v], [spec, spec, spec]
     if m is not None:
         tensors.append(m)
-        specs.append((R, R))
+        specs.append(spec if attn == "4d" else (R, R))  # a full mask shards like q
 
     def fn(q, k, v, m=None):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=attn == "causal")
 
-    check(mesh, fn, tensors, specs, grad=(0, 1, 2), atol=1e-5, rtol=1e-4)
+    out = check(mesh, fn, tensors, specs, grad=(0, 1, 2), atol=1e-5, rtol=1e-4)
+    if P not in spec and not attn.endswith("bool"):
+        # batch and head shards pass through the fused kernel (torch sends boolean masks to the
+        # math path, whose (B*H) views cannot keep a head shard)
+        assert out[0].placements == tuple(on_mesh(mesh, spec))
 
 
 @pytest.mark.parametrize("spec", [(S1, R), (S0, S1)], ids=str)
@@ -250,6 +255,40 @@ def test_classification_loss(mesh, loss, reduction, weighted, ignore_index, batc
         inp = x if loss == CE else F.log_softmax(x, dim=1)
         f = getattr(F, loss)
         return f(inp, t, weight=w if weighted else None, reduction=reduction, ignore_index=ignore_index)
+
+    check(mesh, fn, [x, t, w], [spec, tspec, (R, R)], grad=(0,))
+
+
+CE_VARIANTS = {  # name: (logits shape, target kind, cross_entropy kwargs)
+    "sequence": ((10, 6, 5), "index", {"ignore_index": 2}),  # [N, C, T]: nll_loss2d
+    "image": ((3, 6, 5, 2), "index", {"reduction": "sum"}),
+    "image_none": ((3, 6, 5, 2), "index", {"reduction": "none", "weight": "w"}),
+    "label_smoothing": ((10, 6), "index", {"label_smoothing": 0.1}),
+    "probabilities": ((10, 6), "probs", {}),
+}
+
+
+@pytest.mark.parametrize("name", list(CE_VARIANTS))
+@pytest.mark.parametrize("spec", [(S0, R), (S2, S0)], ids=str)
+def test_cross_entropy_variants(mesh, name, spec):
+    shape, target_kind, kwargs = CE_VARIANTS[name]
+    if len(shape) == 2 and S2 in spec:
+        spec = (S0, S0)
+    x = torch.randn(shape)
+    target_shape = (shape[0],) + shape[2:]
+    if target_kind == "probs":
+        t = torch.softmax(torch.randn(shape), dim=1)
+        tspec = spec
+    else:
+        t = torch.randint(0, shape[1], target_shape, generator=torch.Generator().manual_seed(1))
+        tspec = tuple(dt.Shard(p.dim - 1 if p.dim > 1 else 0) if isinstance(p, dt.Shard) else p for p in spec)
+    w = torch.rand(shape[1]) + 0.5
+    kwargs = dict(kwargs)
+
+    def fn(x, t, w):
+        if kwargs.get("weight") == "w":
+            return F.cross_entropy(x, t, **dict(kwargs, weight=w))
+        return F.cross_entropy(x, t, **kwargs)
 
     check(mesh, fn, [x, t, w], [spec, tspec, (R, R)], grad=(0,))
 

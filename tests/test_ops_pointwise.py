@@ -144,10 +144,11 @@ def check_op(fn, inputs, placements, mesh, *, grad=True, rtol=1e-5, atol=1e-5, s
 
 def sample_placements(inputs, mesh, k, *, seed=0, partial=True):
     """Up to ``k`` placement combinations (one placement list per input), sampled with a fixed
-    seed from every Replicate/Shard(d)/Partial choice per input; inputs that are not floating
-    never get Partial."""
+    seed from every Replicate/Shard(d)/Partial choice per input (all-Replicate left out);
+    inputs that are not floating never get Partial."""
     per_input = [placements_for(t, mesh, partial=partial and _differentiable(t)) for t in inputs]
-    combos = list(itertools.product(*per_input))
+    # every input replicated exercises nothing distributed
+    combos = [c for c in itertools.product(*per_input) if any(p != R for pl in c for p in pl)]
     if len(combos) <= k:
         return combos
     return random.Random(seed).sample(combos, k)
@@ -187,7 +188,7 @@ UNARY = {
 @pytest.mark.parametrize("name", sorted(UNARY))
 def test_unary(mesh, name):
     t = torch.randn(10, 7)
-    for pl in sample_placements([t], mesh, 4, seed=len(name)):
+    for pl in sample_placements([t], mesh, 3, seed=len(name)):
         check_op(UNARY[name], [t], pl, mesh)
 
 
@@ -235,7 +236,7 @@ SHAPES = {
 def test_binary_broadcast(mesh, name):
     for k, shapes in enumerate(sorted(SHAPES)):
         a, b = (torch.randn(s) for s in SHAPES[shapes])
-        for pl in sample_placements([a, b], mesh, 3, seed=k + len(name)):
+        for pl in sample_placements([a, b], mesh, 2, seed=k + len(name)):
             check_op(BINARY[name], [a, b], pl, mesh)
 
 

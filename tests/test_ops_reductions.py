@@ -37,13 +37,18 @@ REDUCTIONS = {
     "vector_norm_2": lambda x, d, k: torch.linalg.vector_norm(x, 2, d, k),
     "vector_norm_inf": lambda x, d, k: torch.linalg.vector_norm(x, INF, d, k),
     "vector_norm_3": lambda x, d, k: torch.linalg.vector_norm(x, 3, d, k),
+    "vector_norm_f64": lambda x, d, k: torch.linalg.vector_norm(x, 2, d, k, dtype=torch.float64),
     "norm_2": lambda x, d, k: x.norm() if _all(d) else torch.norm(x, 2, d, k),
+    "aten_norm": lambda x, d, k: torch.ops.aten.norm(x, 3) if _all(d) else torch.ops.aten.norm(
+        x, 3, [d] if isinstance(d, int) else list(d), k),
     "argmax": lambda x, d, k: x.argmax() if _all(d) else x.argmax(d, keepdim=k),
     "argmin": lambda x, d, k: x.argmin() if _all(d) else x.argmin(d, keepdim=k),
     "logsumexp": lambda x, d, k: torch.logsumexp(x, (0, 1, 2) if _all(d) else d, k),
 }
-# max/min over a dim differentiate through scatter (the indexing family's rule, still missing)
-BACKWARD_FALLBACK = {"max": ("aten.scatter.src",), "min": ("aten.scatter.src",)}
+# max/min over a dim and cumprod differentiate through scatter (the indexing family's rules,
+# still missing)
+BACKWARD_FALLBACK = {"max": ("aten.scatter.src",), "min": ("aten.scatter.src",),
+                     "cumprod": ("aten.scatter_.value",)}
 # ops whose dim argument is one int
 ONE_DIM = {"max", "min", "prod", "argmax", "argmin"}
 SHAPE = (10, 7, 3)  # on 4 ranks: 3,3,3,1 / 2,2,2,1 / 1,1,1,0 (an empty shard)
@@ -84,6 +89,19 @@ def test_reduction(mesh, name):
     # Partial inputs (spread over every rank): linear reductions keep them, others reduce first
     for pl in ([P] * mesh.ndim, [P, S(0)][: mesh.ndim] if mesh.ndim == 2 else [P]):
         check_op(lambda t: fn(t, 1, False), [x], [pl], mesh, **kw)
+
+
+@pytest.mark.parametrize("op", ["cumsum", "cumprod"])
+def test_scan(mesh, op):
+    """Scans keep every dim: the scanned dim is gathered, the others stay sharded."""
+    x = torch.randn(SHAPE)
+    fn = getattr(torch, op)
+    for dim, pl in ((0, [S(1)] * mesh.ndim), (-1, [S(0), S(2)][: mesh.ndim]), (1, [P] * mesh.ndim)):
+        check_op(lambda t: fn(t, dim), [x], [pl], mesh, rtol=1e-4, atol=1e-5,
+                 backward_fallback=BACKWARD_FALLBACK.get(op, ()))
+    check_op(lambda t: fn(t, 2), [x], [[S(0)]] if mesh.ndim == 1 else [[S(0), S(1)]], mesh,
+             expect_placements=[S(0)] if mesh.ndim == 1 else [S(0), S(1)],
+             backward_fallback=BACKWARD_FALLBACK.get(op, ()))
 
 
 # reductions over a sharded dim finish as a Partial; over a kept dim the shard stays

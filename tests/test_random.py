@@ -55,10 +55,12 @@ def _dropout(kind, x, p):
         return F.dropout(x, p, training=True)
     if kind == "module":
         return nn.Dropout(p).train()(x)
+    if kind == "inplace":
+        return F.dropout(x * 1.0, p, training=True, inplace=True)
     return torch.native_dropout(x, p, True)[0]
 
 
-@pytest.mark.parametrize("kind", ["functional", "module", "native"])
+@pytest.mark.parametrize("kind", ["functional", "module", "inplace", "native"])
 @pytest.mark.parametrize("p", [0.3, 0.75])
 @pytest.mark.parametrize("spec", DROPOUT_SPECS, ids=str)
 def test_dropout_matches_its_definition(mesh, kind, p, spec):
@@ -114,6 +116,19 @@ def test_dropout_replicas_are_identical(mesh):
         assert torch.equal(shards[a], shards[b])
     full = y.full_tensor()
     assert_close(full, x * (full != 0) / 0.5)
+
+
+def test_attention_dropout_same_for_every_placement(mesh):
+    q, k, v = (torch.randn(3, 5, 7, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    outs = []
+    for spec in [(R, R), (S1, R), (S0, S1)]:
+        dt.manual_seed(5)
+        qd, kd, vd = (distribute(t, mesh, on_mesh(mesh, spec)) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qd, kd, vd, dropout_p=0.3).full_tensor())
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    no_dropout = F.scaled_dot_product_attention(q, k, v)
+    assert not torch.allclose(outs[0], no_dropout)  # dropout did act
+    assert dt.fallback_counts() == {}
 
 
 @pytest.mark.parametrize("p", [0.0, 1.0])
@@ -203,6 +218,8 @@ RANDOM_OPS = {
     "bernoulli_": lambda t: t.clone().bernoulli_(0.7),
     "uniform_": lambda t: nn.init.uniform_(t.clone(), -2.0, 3.0),
     "normal_": lambda t: nn.init.normal_(t.clone(), 1.0, 0.5),
+    "exponential_": lambda t: t.clone().exponential_(2.0),
+    "random_": lambda t: t.clone().random_(0, 1000),
     "rand_like": torch.rand_like,
     "randn_like": torch.randn_like,
 }
@@ -234,7 +251,11 @@ def test_random_ops_on_tensors(runner, mesh, name):
             assert not got[0][x.clamp(0, 1) == 0].any()  # probability 0 never fires
     elif name == "uniform_":
         assert got[0].min() >= -2 and got[0].max() < 3
-    if not name.startswith("bernoulli"):
+    elif name == "exponential_":
+        assert got[0].min() > 0
+    elif name == "random_":
+        assert got[0].min() >= 0 and got[0].max() < 1000 and torch.equal(got[0], got[0].round())
+    if name not in ("random_",) and not name.startswith("bernoulli"):
         assert len(torch.unique(got[0])) == got[0].numel()
     reference = draw(_fresh_session("inline", mesh.shape))
     assert torch.equal(got[0], reference[0])

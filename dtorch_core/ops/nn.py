@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..placement import Partial, Shard
-from .common import LINEAR_PARTIALS, R, add_all, pointwise_strategies, replicate_all
+from .common import LINEAR_PARTIALS, R, pointwise_strategies, replicate_all
 from .kernels import attention_kernel_name, attention_overloads
 from .registry import Rule, Strategy
 
@@ -157,44 +157,58 @@ def attention_rule(call):
     return out
 
 
+def _nll_batch_dims(x) -> dict:
+    """Input dim -> target dim for the batch dims of an nll loss input ``[N, C, d1, ...]``."""
+    if x.ndim < 2:
+        return {}
+    return {d: (0 if d == 0 else d - 1) for d in range(x.ndim) if d != 1}
+
+
 def nll_loss_rule(call):
-    # inputs: self [N, C] or [C], target, [weight], [total_weight for backward]
+    # nll_loss_forward / nll_loss2d_forward(self [N, C, ...] or [C], target [N, ...], weight,
+    # reduction, ignore_index) -> (output, total_weight)
     x = call.inputs[0]
-    n_in, n_out = len(call.inputs), len(call.outputs)
+    n_in = len(call.inputs)
     reduction = call.args[3] if len(call.args) > 3 else call.kwargs.get("reduction", 1)
     out = [replicate_all(call)]
-    if x.ndim == 2:
-        rest = (R,) * (n_in - 2)
+    rest = (R,) * (n_in - 2)
+    for d, td in _nll_batch_dims(x).items():
         if reduction == 0:
-            out.append(Strategy((Shard(0), Shard(0)) + rest, (Shard(0), R)))
+            out.append(Strategy((Shard(d), Shard(td)) + rest, (Shard(td), R)))
         elif reduction == 2:
-            out.append(Strategy((Shard(0), Shard(0)) + rest, (PSUM, PSUM)))
+            out.append(Strategy((Shard(d), Shard(td)) + rest, (PSUM, PSUM)))
     return out
 
 
-def nll_loss_forward_decomposition(x, target, weight, reduction, ignore_index):
-    """Mean loss over a batch-sharded input: sum locally, then divide by the global weight."""
-    from ..dispatch import dispatch_direct
-    from ..tensor import DTensor
+def nll_loss_forward_decomposition(op):
+    """Mean loss over a batch-sharded input: sum locally, then divide by the global weight
+    (exact for uneven shards, unlike a mean of per-shard means)."""
 
-    sharded = isinstance(x, DTensor) and x.ndim == 2 and any(
-        isinstance(p, Shard) and p.dim == 0 for p in x._spec.placements
-    )
-    if reduction != 1 or not sharded:
-        return dispatch_direct(aten.nll_loss_forward.default, (x, target, weight, reduction, ignore_index), {})
-    total, weight_sum = aten.nll_loss_forward.default(x, target, weight, 2, ignore_index)
-    return aten.div.Tensor(total, weight_sum), weight_sum
+    def decomposition(x, target, weight, reduction, ignore_index):
+        from ..dispatch import dispatch_direct
+        from ..tensor import DTensor
+
+        batch_dims = _nll_batch_dims(x)
+        sharded = isinstance(x, DTensor) and any(
+            isinstance(p, Shard) and p.dim in batch_dims for p in x._spec.placements
+        )
+        if reduction != 1 or not sharded:
+            return dispatch_direct(op, (x, target, weight, reduction, ignore_index), {})
+        total, weight_sum = op(x, target, weight, 2, ignore_index)
+        return aten.div.Tensor(total, weight_sum), weight_sum
+
+    return decomposition
 
 
 def nll_loss_backward_rule(call):
-    # inputs: grad_output, self, target, [weight], total_weight
+    # nll_loss(2d)_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight)
     x = call.inputs[1]
     n_in = len(call.inputs)
     reduction = call.args[4]
     out = [replicate_all(call)]
-    if x.ndim == 2:
-        g = Shard(0) if reduction == 0 else R
-        out.append(Strategy((g, Shard(0), Shard(0)) + (R,) * (n_in - 3), (Shard(0),)))
+    for d, td in _nll_batch_dims(x).items():
+        g = Shard(td) if reduction == 0 else R
+        out.append(Strategy((g, Shard(d), Shard(td)) + (R,) * (n_in - 3), (Shard(d),)))
     return out
 
 
@@ -233,13 +247,21 @@ def register(registry) -> None:
     )
     for op in attention_overloads():
         registry.add(op, Rule(attention_rule, kernel=attention_kernel_name(op)), replace=True)
-    registry.add(aten.nll_loss_forward.default, nll_loss_rule)
-    registry.add_decomposition(aten.nll_loss_forward.default, nll_loss_forward_decomposition)
-    registry.add(aten.nll_loss_backward.default, nll_loss_backward_rule)
+    for forward, backward in ((aten.nll_loss_forward.default, aten.nll_loss_backward.default),
+                              (aten.nll_loss2d_forward.default, aten.nll_loss2d_backward.default)):
+        registry.add(forward, nll_loss_rule, replace=True)
+        registry.add_decomposition(forward, nll_loss_forward_decomposition(forward), replace=True)
+        registry.add(backward, nll_loss_backward_rule, replace=True)
     for op in (aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.bernoulli.p, aten.bernoulli.default):
         name = op._schema.name.split("::")[1]
         registry.add(op, Rule(random_rule, random_localize(name), "dtorch::bernoulli"), replace=True)
-    for op in (aten.uniform_.default, aten.normal_.default, aten.rand_like.default, aten.randn_like.default):
+    fills = [aten.rand_like.default, aten.randn_like.default]
+    for packet in (aten.uniform_, aten.normal_, aten.exponential_, aten.cauchy_, aten.log_normal_,
+                   aten.geometric_, aten.random_):
+        fills += [getattr(packet, o) for o in packet.overloads() if "out" not in o]
+    for op in fills:
+        if len([a for a in op._schema.arguments if a.type.kind() == "TensorType"]) != 1:
+            continue  # e.g. normal_ with tensor mean/std: not a plain fill
         name = op._schema.name.split("::")[1]
         registry.add(op, Rule(random_rule, random_localize(name), "dtorch::random_fill"), replace=True)
     registry.add(

@@ -84,8 +84,9 @@ def norm_decomposition(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     needs_split = spec is not None and (
         spec.has_partial() or any(isinstance(p, Shard) and p.dim in red for p in spec.placements)
     )
-    if not needs_split or spec.has_partial():
+    if not needs_split:
         return dispatch_direct(aten.linalg_vector_norm.default, (x, ord, dim, keepdim), {"dtype": dtype})
+    # Partial inputs: abs() below reduces them (reduce-scatter where that is cheaper)
     if dtype is not None:
         x = aten._to_copy.default(x, dtype=dtype)
     dims = sorted(red)
@@ -101,6 +102,13 @@ def norm_decomposition(x, ord=2, dim=None, keepdim=False, *, dtype=None):
         return aten.sum.dim_IntList(a, dims, keepdim)
     s = aten.sum.dim_IntList(aten.pow.Tensor_Scalar(a, ord), dims, keepdim)
     return aten.pow.Tensor_Scalar(s, 1.0 / ord)
+
+
+def aten_norm_decomposition(x, p=2, dim=None, keepdim=False, *, dtype=None):
+    """``aten.norm`` (the legacy overloads): the vector norm of the same order."""
+    if dim is not None and len(dim) == 0:
+        dim = None
+    return norm_decomposition(x, 2 if p is None else p, dim, keepdim, dtype=dtype)
 
 
 def register(registry) -> None:
@@ -136,6 +144,8 @@ def register(registry) -> None:
             registry.add(getattr(packet, name), reduction(1, 3), replace=True)
     add_all(registry, aten.linalg_vector_norm, reduction(2, 3))
     registry.add_decomposition(aten.linalg_vector_norm.default, norm_decomposition)
+    for name in ("Scalar", "ScalarOpt_dim", "ScalarOpt_dtype", "ScalarOpt_dim_dtype"):
+        registry.add_decomposition(getattr(aten.norm, name), aten_norm_decomposition, replace=True)
 
 
 def _mean_all_localize(local):
