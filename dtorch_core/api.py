@@ -186,7 +186,13 @@ def _factory(kind, shape, device_mesh, placements, dtype, fill=None, requires_gr
     if isinstance(shape, int):
         shape = (shape,)
     shape = tuple(int(s) for s in shape)
-    dtype = dtype or (torch.int64 if kind == "arange" else torch.get_default_dtype())
+    if dtype is None:
+        if kind == "full":
+            dtype = torch.full((), fill).dtype  # torch's own inference: int64, bool, float...
+        elif kind == "arange":
+            dtype = torch.arange(fill[0], fill[0] + fill[1], fill[1]).dtype
+        else:
+            dtype = torch.get_default_dtype()
     if placements is None:
         placements = [Replicate()] * device_mesh.ndim
     full = root_placements(device_mesh, placements, len(shape))
@@ -224,8 +230,12 @@ def randn(*size, device_mesh, placements=None, dtype=None, requires_grad=False) 
     return _factory("randn", _size(size), device_mesh, placements, dtype, requires_grad=requires_grad)
 
 
-def arange(end, *, device_mesh, placements=None, dtype=None) -> DTensor:
-    return _factory("arange", (int(end),), device_mesh, placements, dtype)
+def arange(start, end=None, step=1, *, device_mesh, placements=None, dtype=None) -> DTensor:
+    """Like ``torch.arange``; each rank computes only its own part."""
+    if end is None:
+        start, end = 0, start
+    n = len(range(0, math.ceil((end - start) / step))) if step else 0
+    return _factory("arange", (n,), device_mesh, placements, dtype, fill=(start, step))
 
 
 def _size(size):

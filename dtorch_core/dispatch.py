@@ -23,6 +23,7 @@ from .mesh import DeviceMesh, root_coordinate
 from .ops.registry import LocalCall, OpCall, Rule, Strategy
 from .placement import Partial, Replicate, Shard
 from .redistribute import plan_redistribute, redistribute_cost
+from .runtime.kernels import SEEDED_PREFIX
 from .spec import TensorSpec, contiguous_stride, shard_region
 from . import tensor as _tensor_mod
 from .runtime import session as _session_mod
@@ -134,6 +135,7 @@ class DirectPlan:
     mesh_id: int
 
     simple: bool = False  # no moves, no plain inputs, no aliases, no None outputs
+    rebind: tuple = ()  # (input index, spec): written inputs that had to move; their handles follow
 
     def run(self, session, args, kwargs, inputs):
         if self.simple:
@@ -153,6 +155,12 @@ class DirectPlan:
                 temps.append(new)
                 tid = new
             tids.append(tid)
+        for i, spec in self.rebind:
+            # the op writes the redistributed copy; the user's handle now names that copy
+            x = inputs[i]
+            temps.remove(tids[i])
+            x._handle = _tensor_mod._Handle(tids[i], session)
+            x._spec = spec
         outs = []
         out_tids = []
         for spec, view, alias in zip(self.out_specs, self.out_views, self.out_alias):
@@ -353,13 +361,28 @@ def plan_direct(session, func, args, kwargs, inputs, rule: Rule, mesh, view, *, 
     else:
         strategies = rule.strategies(OpCall(func, m_args, m_kwargs, tuple(metas), tuple(flat_out)))
     nbytes = [max(1, s.dtype.itemsize) * _numel(s.shape) for s in specs]
+    for s in strategies:
+        if len(s.inputs) != n_in or len(s.outputs) != n_out:
+            raise OpError(f"rule for {func} returned {s} for {n_in} inputs and {n_out} outputs")
+    template_args, template_kwargs = _substitute(args, kwargs, Slot)
+    plan = _choose(session, func, rule, mesh, view, specs, flat_out, rebuild, mutated, out_alias, strategies,
+                   nbytes, template_args, template_kwargs, inputs, force_replicate, keep_mutated=True)
+    if plan is None and mutated and not force_replicate:
+        # no strategy keeps the written inputs where they are (e.g. add_(scalar) on a Partial):
+        # redistribute them and let their handles follow
+        plan = _choose(session, func, rule, mesh, view, specs, flat_out, rebuild, mutated, out_alias, strategies,
+                       nbytes, template_args, template_kwargs, inputs, force_replicate, keep_mutated=False)
+    return plan
+
+
+def _choose(session, func, rule, mesh, view, specs, flat_out, rebuild, mutated, out_alias, strategies, nbytes,
+            template_args, template_kwargs, inputs, force_replicate, keep_mutated):
+    n_in, n_out = len(specs), len(flat_out)
     per_dim = []
     for m in range(mesh.ndim):
         scored = []
         for s in strategies:
-            if len(s.inputs) != n_in or len(s.outputs) != n_out:
-                raise OpError(f"rule for {func} returned {s} for {n_in} inputs and {n_out} outputs")
-            if any(s.inputs[i] != specs[i].placements[m] for i in mutated):
+            if keep_mutated and any(s.inputs[i] != specs[i].placements[m] for i in mutated):
                 continue
             if any(a is not None and s.outputs[k] != s.inputs[a] for k, a in enumerate(out_alias)):
                 continue
@@ -368,7 +391,6 @@ def plan_direct(session, func, args, kwargs, inputs, rule: Rule, mesh, view, *, 
         scored.sort(key=lambda cs: cs[0])
         per_dim.append(_dedupe(scored))
     combos = sorted(itertools.product(*per_dim), key=lambda c: sum(cs[0] for cs in c))[:64]
-    template_args, template_kwargs = _substitute(args, kwargs, Slot)
     for combo in combos:
         chosen = [cs[1] for cs in combo]
         in_pl = [tuple(c.inputs[i] for c in chosen) for i in range(n_in)]
@@ -400,11 +422,13 @@ def plan_direct(session, func, args, kwargs, inputs, rule: Rule, mesh, view, *, 
         )
         moves = tuple(plan_redistribute(specs[i].placements, in_pl[i]) for i in range(n_in))
         out_views = tuple(None if s is None else view_for(s, view) for s in out_specs)
+        rebind = tuple((i, in_specs[i]) for i in sorted(mutated) if moves[i])
         final_specs = tuple(
-            specs[a] if a is not None else s for s, a in zip(out_specs, out_alias)
+            in_specs[a] if a is not None else s for s, a in zip(out_specs, out_alias)
         )
         simple = (
             n_in > 0
+            and not rebind
             and all(not m for m in moves)
             and all(a is None for a in out_alias)
             and all(s is not None for s in final_specs)
@@ -421,6 +445,7 @@ def plan_direct(session, func, args, kwargs, inputs, rule: Rule, mesh, view, *, 
             bool(rule.kernel and session.kernel_is_seeded(rule.kernel)),
             session.mesh_id(mesh),
             simple,
+            rebind,
         )
     return None
 
@@ -541,7 +566,7 @@ def replicated_fallback(session, func, args, kwargs):
         args, kwargs, lambda i: replicated.get(id(inputs[i]), inputs[i])
     )
     rep_inputs = [replicated.get(id(x), x) for x in inputs]
-    rule = Rule(lambda call: [], kernel="dtorch::seeded" if _is_random(func) else None)
+    rule = Rule(lambda call: [], kernel=SEEDED_PREFIX + func.name() if _is_random(func) else None)
     plan = plan_direct(session, func, r_args, r_kwargs, rep_inputs, rule, mesh, view, force_replicate=True)
     out = plan.run(session, r_args, r_kwargs, rep_inputs)
     mutated, _ = _mutated_inputs(func, args, kwargs)

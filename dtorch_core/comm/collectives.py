@@ -45,16 +45,22 @@ def local_step(kind: str, x: torch.Tensor, index: int, size: int, dim: int, redu
     raise ValueError(kind)
 
 
-def combine(kind: str, values: list, index: int, dim: int, reduce_op: str, dim2: int) -> torch.Tensor:
-    """Result for group member ``index`` of a communicating step, from all contributions."""
+def combine_all(kind: str, values: list, dim: int, reduce_op: str, dim2: int) -> list:
+    """Every group member's result of a communicating step, from all contributions.
+
+    Each member gets its own tensor (members may later change theirs in place).
+    """
     k = len(values)
     if kind == "all_gather":
-        return torch.cat(values, dim=dim)
+        full = torch.cat(values, dim=dim)
+        return [full] + [full.clone() for _ in range(k - 1)]
     if kind == "all_reduce":
-        return reduce_all(values, reduce_op)
+        total = reduce_all(values, reduce_op)
+        return [total] + [total.clone() for _ in range(k - 1)]
     if kind == "reduce_scatter":
-        return chunk_of(reduce_all(values, reduce_op), dim, k, index).clone()
+        total = reduce_all(values, reduce_op)
+        return [chunk_of(total, dim, k, i).clone() for i in range(k)]
     if kind == "all_to_all":
-        # member j holds shard j along ``dim`` of the whole; it sends chunk ``index`` along dim2
-        return torch.cat([chunk_of(v, dim2, k, index) for v in values], dim=dim)
+        # member j holds shard j along ``dim`` of the whole; member i gets chunk i along dim2
+        return [torch.cat([chunk_of(v, dim2, k, i) for v in values], dim=dim) for i in range(k)]
     raise ValueError(kind)

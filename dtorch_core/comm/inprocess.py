@@ -12,15 +12,18 @@ class _Slot:
     values: list
     arrived: int = 0
     left: int = 0
+    results: list | None = None
 
 
 @attrs.define
 class InProcessExchange:
-    """Every member of a group deposits a value under one key and receives all of them.
+    """Every member of a group deposits a value under one key; the last to arrive computes every
+    member's result with ``compute(values) -> list``, and each member leaves with its own.
 
-    Keys are (mesh id, mesh dim, group index, sequence number); since every worker runs the same
-    instruction stream, members agree on keys without talking. ``timeout`` bounds a wait so a
-    dead peer cannot hang the process.
+    Members wait until the results exist, so no member can change its contribution (a tensor
+    still in its store) while a peer reads it. Keys are (mesh id, mesh dim, group index,
+    sequence number); every worker runs the same instruction stream, so members agree on keys
+    without talking. ``timeout`` bounds a wait so a dead peer cannot hang the process.
     """
 
     timeout: float = 300.0
@@ -28,26 +31,33 @@ class InProcessExchange:
     _cond: threading.Condition = attrs.field(factory=threading.Condition)
     _aborted: str | None = None
 
-    def exchange(self, key, index: int, size: int, value):
+    def exchange(self, key, index: int, size: int, value, compute):
         with self._cond:
             slot = self._slots.get(key)
             if slot is None:
                 slot = self._slots[key] = _Slot([None] * size)
             slot.values[index] = value
             slot.arrived += 1
-            if slot.arrived == size:
+            last = slot.arrived == size
+        if last:
+            results = compute(slot.values)
+            with self._cond:
+                slot.results = results
+                slot.values = None
                 self._cond.notify_all()
-            else:
-                ok = self._cond.wait_for(lambda: slot.arrived == size or self._aborted, self.timeout)
+        else:
+            with self._cond:
+                ok = self._cond.wait_for(lambda: slot.results is not None or self._aborted, self.timeout)
                 if self._aborted:
                     raise RuntimeError(f"collective aborted: {self._aborted}")
                 if not ok:
                     raise TimeoutError(f"collective {key} timed out after {self.timeout}s waiting for peers")
-            values = list(slot.values)
+        with self._cond:
+            result = slot.results[index]
             slot.left += 1
             if slot.left == size:
                 del self._slots[key]
-            return values
+        return result
 
     def abort(self, reason: str) -> None:
         with self._cond:
@@ -65,7 +75,7 @@ class LockstepExchange:
 
     _slots: dict = attrs.field(factory=dict)
 
-    def exchange(self, key, index: int, size: int, value):
+    def exchange(self, key, index: int, size: int, value, compute):
         from ..runtime.worker import PENDING
 
         slot = self._slots.get(key)
@@ -75,9 +85,11 @@ class LockstepExchange:
         slot.arrived += 1
         return PENDING
 
-    def collect(self, key, index: int):
+    def collect(self, key, index: int, compute):
         slot = self._slots[key]
+        if slot.results is None:
+            slot.results = compute(slot.values)
         slot.left += 1
-        if slot.left == len(slot.values):
+        if slot.left == len(slot.results):
             del self._slots[key]
-        return list(slot.values)
+        return slot.results[index]

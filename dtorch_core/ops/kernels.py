@@ -39,7 +39,8 @@ def factory_kernel(*, kind, shape, region, dtype, fill, device, seed=None):
         return torch.full(local_shape, fill, dtype=dtype, device=device)
     if kind == "arange":
         (off, n), = region
-        return torch.arange(off, off + n, dtype=dtype, device=device)
+        start, step = fill
+        return (torch.arange(off, off + n, device=device) * step + start).to(dtype)
     if kind in ("rand", "randn"):
         # the global tensor is drawn on every rank from the same seed: values do not depend on
         # the placement or the runner

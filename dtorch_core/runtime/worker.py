@@ -8,11 +8,13 @@ reported when the controller reads an affected tensor.
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import structlog
 import torch
 
-from ..comm.collectives import combine, local_step
+from ..comm.collectives import combine_all, local_step
 from ..graph.instructions import (
     COMMUNICATING_KINDS,
     Call,
@@ -82,6 +84,18 @@ def _has_slot(x) -> bool:
     if type(x) in (tuple, list):
         return any(_has_slot(a) for a in x)
     return False
+
+
+def _compute_collective(ins: Collective, rank: int, values: list) -> list:
+    """All members' results; a failed contribution fails the step for everyone."""
+    for v in values:
+        if type(v) is WorkerFailure:
+            return [v] * len(values)
+    try:
+        return combine_all(ins.kind, values, ins.dim, ins.reduce_op, ins.dim2)
+    except Exception as exc:
+        failure = WorkerFailure(rank, f"collective {ins.kind}", None, f"{type(exc).__name__}: {exc}")
+        return [failure] * len(values)
 
 
 class Worker:
@@ -225,27 +239,18 @@ class Worker:
         seq = self.seq.get(group_key, 0)
         self.seq[group_key] = seq + 1
         key = group_key + (seq,)
-        values = self.exchange.exchange(key, index, size, x)
-        if values is PENDING:
-            self.pending.append((ins, key, index))
+        compute = functools.partial(_compute_collective, ins, self.rank)
+        result = self.exchange.exchange(key, index, size, x, compute)
+        if result is PENDING:
+            self.pending.append((ins, key, index, compute))
             return
-        self._finish(ins, values, index)
-
-    def _finish(self, ins: Collective, values, index) -> None:
-        for v in values:
-            if type(v) is WorkerFailure:
-                self.store[ins.dst] = v
-                return
-        try:
-            self.store[ins.dst] = combine(ins.kind, values, index, ins.dim, ins.reduce_op, ins.dim2)
-        except Exception as exc:
-            self.store[ins.dst] = WorkerFailure(self.rank, f"collective {ins.kind}", None, f"{type(exc).__name__}: {exc}")
+        self.store[ins.dst] = result
 
     def finish_pending(self) -> None:
         """Complete collectives whose peers have all contributed (lockstep runners)."""
         pending, self.pending = self.pending, []
-        for ins, key, index in pending:
-            self._finish(ins, self.exchange.collect(key, index), index)
+        for ins, key, index, compute in pending:
+            self.store[ins.dst] = self.exchange.collect(key, index, compute)
 
     # -- statistics -----------------------------------------------------------------------
     def memory_stats(self) -> dict:
