@@ -27,6 +27,7 @@ class InProcessExchange:
     """
 
     timeout: float = 300.0
+    turn: object = None  # a lock the waiting member gives up while it waits (see ThreadRunner)
     _slots: dict = attrs.field(factory=dict)
     _cond: threading.Condition = attrs.field(factory=threading.Condition)
     _aborted: str | None = None
@@ -46,12 +47,18 @@ class InProcessExchange:
                 slot.values = None
                 self._cond.notify_all()
         else:
-            with self._cond:
-                ok = self._cond.wait_for(lambda: slot.results is not None or self._aborted, self.timeout)
-                if self._aborted:
-                    raise RuntimeError(f"collective aborted: {self._aborted}")
-                if not ok:
-                    raise TimeoutError(f"collective {key} timed out after {self.timeout}s waiting for peers")
+            if self.turn is not None:
+                self.turn.release()
+            try:
+                with self._cond:
+                    ok = self._cond.wait_for(lambda: slot.results is not None or self._aborted, self.timeout)
+            finally:
+                if self.turn is not None:
+                    self.turn.acquire()
+            if self._aborted:
+                raise RuntimeError(f"collective aborted: {self._aborted}")
+            if not ok:
+                raise TimeoutError(f"collective {key} timed out after {self.timeout}s waiting for peers")
         with self._cond:
             result = slot.results[index]
             slot.left += 1

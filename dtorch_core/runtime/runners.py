@@ -10,6 +10,7 @@ import torch
 
 from ..comm.inprocess import InProcessExchange, LockstepExchange
 from ..errors import WorkerLostError
+from .session import FlushPolicy
 from .worker import Worker
 
 log = structlog.get_logger(__name__)
@@ -81,13 +82,25 @@ class InlineRunner(Runner):
 
 
 class ThreadRunner(Runner):
-    """One worker thread per device; batches go through in-process queues."""
+    """One worker thread per device; batches go through in-process queues.
+
+    The workers share the controller's GIL, and torch drops and retakes the GIL in every op, so
+    threads running Python at once hand the GIL back and forth at every op (each hand-over is a
+    futex wake-up, several times the cost of a small op). Hence:
+    - batches leave when the controller pauses (a timer tick with nothing new), at sync points,
+      or when 16384 instructions wait;
+    - workers take turns (``turn``): one runs its batch at a time, and gives the turn up only
+      when it waits for peers in a collective or finishes its batch. Kernels still use torch's
+      intra-op threads, so a large kernel keeps every core busy.
+    """
 
     name = "thread"
+    flush_policy = FlushPolicy(batch_size=16384, interval=0.001, when_idle=True)
 
     def __init__(self, world_size: int, device_type: str = "cpu", timeout: float = 300.0, **_options):
         super().__init__(world_size, device_type)
-        self.exchange = InProcessExchange(timeout=timeout)
+        self.turn = threading.Lock()
+        self.exchange = InProcessExchange(timeout=timeout, turn=self.turn)
         self.workers = self._make_workers(self.exchange)
         self.queues = [queue.SimpleQueue() for _ in range(world_size)]
         self.threads = [
@@ -109,7 +122,8 @@ class ThreadRunner(Runner):
             if batch is None:
                 return
             try:
-                worker.run_batch(batch)
+                with self.turn:
+                    worker.run_batch(batch)
             except BaseException as exc:  # a bug in the worker itself, not in a kernel
                 worker.log.error("worker crashed", error=repr(exc))
                 with self._cond:

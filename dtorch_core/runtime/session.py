@@ -7,6 +7,7 @@ import os
 import threading
 import warnings
 
+import attrs
 import structlog
 import torch
 
@@ -29,11 +30,19 @@ def set_session(session) -> None:
     _session = session
 
 
+@attrs.frozen
+class FlushPolicy:
+    """When the session hands batches to the runner (a runner's ``flush_policy`` attribute)."""
+
+    batch_size: int = 256  # flush as soon as this many instructions wait
+    interval: float = 0.002  # timer period (s); 0: only size and sync points flush
+    when_idle: bool = False  # timer flushes only after a tick with no new instruction
+
+
 class Session:
     """Owns the runner and everything the controller tracks between ops."""
 
-    def __init__(self, runner, *, strict=False, track_source=True, batch_size=256,
-                 flush_interval=0.002, timeout=300.0):
+    def __init__(self, runner, *, strict=False, track_source=True, timeout=300.0):
         from ..plugins import get_plugins
 
         plugins = get_plugins()
@@ -43,7 +52,13 @@ class Session:
         self.kernels = plugins.registry("kernels")
         self.strict = strict
         self.track_source = track_source and os.environ.get("DTORCH_TRACK_SOURCE", "1") != "0"
-        self.batch_size = batch_size
+        # How batches leave: a runner whose workers share the controller's GIL (thread) flushes
+        # when the controller pauses or the backlog is large, so workers and controller do not
+        # trade the GIL op by op; other runners flush small batches on a short timer.
+        policy = getattr(runner, "flush_policy", FlushPolicy())
+        self.batch_size = policy.batch_size
+        self.flush_when_idle = policy.when_idle
+        flush_interval = policy.interval
         self.timeout = timeout
         self.plans: dict = {}
         self.fallback_counts: collections.Counter = collections.Counter()
@@ -151,12 +166,19 @@ class Session:
             self.runner.submit(batch)
 
     def _flush_loop(self, interval: float) -> None:
+        seen = -1
         while not self._stop.wait(interval):
-            if self._pending or len(self._releases) > 64:
-                try:
-                    self.flush()
-                except Exception as exc:  # reported at the next sync point by the runner
-                    log.warning("background flush failed", error=repr(exc))
+            waiting = len(self._pending)
+            if not waiting and len(self._releases) <= 64:
+                continue
+            if self.flush_when_idle and waiting != seen:
+                seen = waiting  # the controller is still issuing: wait for a quiet tick
+                continue
+            seen = -1
+            try:
+                self.flush()
+            except Exception as exc:  # reported at the next sync point by the runner
+                log.warning("background flush failed", error=repr(exc))
 
     # -- reads ----------------------------------------------------------------------------
     def put(self, shards: dict, mesh) -> int:
