@@ -44,7 +44,7 @@ def test_contraction(mesh, name):
     fn, shapes = CASES[name]
     ins = [torch.randn(s) for s in shapes]
     for pl in sample_placements(ins, mesh, 4, seed=len(name)):
-        check_op(fn, ins, pl, mesh, rtol=1e-4, atol=1e-4)
+        check_op(fn, ins, pl, mesh)
 
 
 # placements the product keeps without gathering anything (1-D mesh, uneven sizes)
@@ -74,15 +74,15 @@ KEEPS = [
 def test_contraction_does_not_gather(mesh1d, case):
     _, fn, shapes, pl, expected = case
     ins = [torch.randn(s) for s in shapes]
-    check_op(fn, ins, pl, mesh1d, rtol=1e-4, atol=1e-4, expect_placements=expected)
+    check_op(fn, ins, pl, mesh1d, expect_placements=expected)
 
 
 def test_mm_2d_mesh_placements(mesh2d):
     """Rows on one mesh dim and the inner dim on the other: a Shard and a Partial at once."""
     a, b = torch.randn(M, K), torch.randn(K, N)
-    check_op(torch.mm, [a, b], [[S(0), S(1)], [R, S(0)]], mesh2d, rtol=1e-4, atol=1e-4,
+    check_op(torch.mm, [a, b], [[S(0), S(1)], [R, S(0)]], mesh2d,
              expect_placements=[S(0), P])
-    check_op(torch.mm, [a, b], [[S(0), S(0)], [R, R]], mesh2d, rtol=1e-4, atol=1e-4,
+    check_op(torch.mm, [a, b], [[S(0), S(0)], [R, R]], mesh2d,
              expect_placements=[S(0), S(0)])
 
 
@@ -101,5 +101,13 @@ def test_contraction_of_partial_kinds(mesh1d, case):
     _, fn, shapes, kind, which, kept = case
     ins = [torch.randn(s) for s in shapes]
     pl = [[dt.Partial(kind)] if i == which else [R] for i in range(len(ins))]
-    check_op(fn, ins, pl, mesh1d, rtol=1e-4, atol=1e-4,
+    check_op(fn, ins, pl, mesh1d,
              expect_placements=None if kept is None else [dt.Partial(kept)])
+
+
+def test_shape_mismatch_raises_on_controller(mesh1d):
+    """A user's shape error is raised before anything runs, naming the op and the placements."""
+    a = dt.distribute_tensor(torch.randn(M, K), mesh1d, [S(0)])
+    b = dt.distribute_tensor(torch.randn(N, K), mesh1d, [R])
+    with pytest.raises(dt.OpError, match=r"aten\.mm.*Shard\(dim=0\)"):
+        torch.mm(a, b)

