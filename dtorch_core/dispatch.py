@@ -136,10 +136,15 @@ class DirectPlan:
 
     simple: bool = False  # no moves, no plain inputs, no aliases, no None outputs
     rebind: tuple = ()  # (input index, spec): written inputs that had to move; their handles follow
+    writes: tuple = ()  # input indices the op writes
+    view_kind: int = 0  # 0: not a view op; 1: outputs alias input 0; 2: they alias a moved copy
+    op_name: str = ""
 
     def run(self, session, args, kwargs, inputs):
         if self.simple:
             return self._run_simple(session, inputs)
+        for i in self.writes:
+            self._check_writable(inputs[i], i in dict(self.rebind))
         tids = []
         temps = []
         emit = session.emit
@@ -174,6 +179,10 @@ class DirectPlan:
                 tid = session.new_tid()
                 outs.append(DTensor._make(spec, view, tid, session))
                 out_tids.append(tid)
+        if self.view_kind:
+            for o in outs:
+                if o is not None:
+                    o._view_state = self.view_kind
         emit(
             Call(
                 self.plan_id,
@@ -187,6 +196,20 @@ class DirectPlan:
             session.release_many(temps)
         return self.rebuild(outs)
 
+
+    def _check_writable(self, x, moves: bool) -> None:
+        # a write must reach every tensor that shares the written memory: refuse the cases where
+        # the view is really a copy (its input had to be redistributed), or where the written
+        # view itself must be redistributed
+        state = getattr(x, "_view_state", 0)
+        if state == 2 or (state == 1 and moves):
+            why = "was made from a redistributed copy of its base" if state == 2 else (
+                "would have to be redistributed first")
+            raise OpError(
+                f"{self.op_name} writes in place to a view that {why}, so the write would not reach "
+                f"the tensor it views ({tuple(x.shape)} {list(x.placements)}); clone() the view to "
+                "write to a copy, or redistribute the base so the view needs no data movement"
+            )
 
     def _run_simple(self, session, inputs):
         outs = []
@@ -333,7 +356,9 @@ def build_plan(session, func, args, kwargs, inputs):
     if rule is None:
         return _fallback_plan(session, func)
     plan = plan_direct(session, func, args, kwargs, inputs, rule, mesh, view)
-    return plan if plan is not None else _fallback_plan(session, func)
+    if plan is None:
+        return _fallback_plan(session, func, "has a sharding rule, but none of its choices fits these inputs")
+    return plan
 
 
 def global_meta(func, args, kwargs, inputs, mesh):
@@ -426,9 +451,16 @@ def _choose(session, func, rule, mesh, view, specs, flat_out, rebuild, mutated, 
         final_specs = tuple(
             in_specs[a] if a is not None else s for s, a in zip(out_specs, out_alias)
         )
+        returns = func._schema.returns
+        view_kind = 0
+        if any(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+            view_kind = 2 if moves and moves[0] else 1
+        writes = tuple(i for i in sorted(mutated) if type(inputs[i]) is DTensor)
         simple = (
             n_in > 0
             and not rebind
+            and not writes
+            and not view_kind
             and all(not m for m in moves)
             and all(a is None for a in out_alias)
             and all(s is not None for s in final_specs)
@@ -446,6 +478,9 @@ def _choose(session, func, rule, mesh, view, specs, flat_out, rebuild, mutated, 
             session.mesh_id(mesh),
             simple,
             rebind,
+            writes,
+            view_kind,
+            str(func),
         )
     return None
 
@@ -537,7 +572,7 @@ def _fill_slots(x, values):
 _REPLICATE_RULE = Rule(lambda call: [])
 
 
-def _fallback_plan(session, func):
+def _fallback_plan(session, func, reason: str = "has no sharding rule"):
     name = str(func)
 
     def run(*args, **kwargs):
@@ -545,7 +580,7 @@ def _fallback_plan(session, func):
 
     if session.strict:
         raise FallbackRefusedError(
-            f"{name} has no sharding rule and strict mode is on; register a rule "
+            f"{name} {reason} and strict mode is on; register a rule "
             "(dtorch_register_ops) or turn strict mode off"
         )
     return FunctionPlan(run)

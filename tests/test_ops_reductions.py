@@ -43,10 +43,8 @@ REDUCTIONS = {
     "argmin": lambda x, d, k: x.argmin() if _all(d) else x.argmin(d, keepdim=k),
     "logsumexp": lambda x, d, k: torch.logsumexp(x, (0, 1, 2) if _all(d) else d, k),
 }
-# max/min over a dim and cumprod differentiate through scatter (the indexing family's rules,
-# still missing)
-BACKWARD_FALLBACK = {"max": ("aten.scatter.src",), "min": ("aten.scatter.src",),
-                     "cumprod": ("aten.scatter_.value",)}
+# no op of these families may fall back, backward included
+BACKWARD_FALLBACK: dict = {}
 # ops whose dim argument is one int
 ONE_DIM = {"max", "min", "prod", "argmax", "argmin"}
 SHAPE = (10, 7, 3)  # on 4 ranks: 3,3,3,1 / 2,2,2,1 / 1,1,1,0 (an empty shard)

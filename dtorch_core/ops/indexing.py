@@ -1,4 +1,4 @@
-"""Joining and indexing: cat, stack, index_select, gather, scatter_add, index_add."""
+"""Joining and indexing: cat, stack, index_select, gather, scatter(_add), index_add."""
 
 from __future__ import annotations
 
@@ -71,16 +71,19 @@ def gather_rule(call):
     return strategies
 
 
-def scatter_add_rule(call):
-    # scatter_add(self, dim, index, src): dims other than ``dim`` with equal sizes shard together
+def scatter_rule(call):
+    # scatter/scatter_add(self, dim, index, src|value): dims other than ``dim`` with equal sizes
+    # shard together; with a tensor src the op is linear in (self, src) taken together
     x = call.inputs[0]
+    n = len(call.inputs)
     dim = _norm(call.args[1], x.ndim)
     strategies = [replicate_all(call)]
     for d in range(x.ndim):
         if d != dim and all(t.ndim == x.ndim and t.shape[d] == x.shape[d] for t in call.inputs):
-            strategies.append(Strategy((Shard(d),) * 3, (Shard(d),)))
-    for p in LINEAR_PARTIALS:
-        strategies.append(Strategy((p, R, p), (p,)))
+            strategies.append(Strategy((Shard(d),) * n, (Shard(d),)))
+    if n == 3 and "reduce" not in call.kwargs and len(call.args) < 5:
+        for p in LINEAR_PARTIALS:
+            strategies.append(Strategy((p, R, p), (p,)))
     return strategies
 
 
@@ -102,7 +105,7 @@ def register(registry) -> None:
     registry.add(aten.stack.default, stack_rule, replace=True)
     registry.add(aten.index_select.default, index_select_rule, replace=True)
     registry.add(aten.gather.default, gather_rule, replace=True)
-    for packet in (aten.scatter_add, aten.scatter_add_):
-        add_all(registry, packet, scatter_add_rule)
+    for packet in (aten.scatter_add, aten.scatter_add_, aten.scatter, aten.scatter_):
+        add_all(registry, packet, scatter_rule)
     for packet in (aten.index_add, aten.index_add_):
         add_all(registry, packet, index_add_rule)

@@ -20,10 +20,17 @@ class CpuStream:
         pass
 
 
+def _process_runner(world_size: int, **options):
+    from .process import ProcessRunner  # imported on use: it pulls in the transport and wire code
+
+    return ProcessRunner(world_size, **options)
+
+
 @hookimpl
 def dtorch_register_runners(registry) -> None:
     registry.add("inline", InlineRunner)
     registry.add("thread", ThreadRunner)
+    registry.add("process", _process_runner)
 
 
 @hookimpl

@@ -152,6 +152,9 @@ class Worker:
 
     # -- definitions ----------------------------------------------------------------------
     def _define_mesh(self, ins: DefineMesh) -> None:
+        define = getattr(self.exchange, "define_mesh", None)
+        if define is not None:  # communicators that need groups made by every rank
+            define(ins.mesh_id, ins.shape, ins.ranks)
         root = DeviceMesh("worker", tuple(ins.shape), tuple(ins.ranks))
         coord = root_coordinate(root, self.rank)
         if coord is None:

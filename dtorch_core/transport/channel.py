@@ -1,0 +1,384 @@
+"""Byte-message channels between the controller and a worker process on this host.
+
+A channel is one-directional: one end sends, the other receives, each in its own process. The
+controller makes both ends, keeps its own and hands the other end's :class:`ChannelSpec` to the
+child process, which opens it with :func:`open_channel`. :func:`channel_pair` makes the usual two
+(controller -> worker batches, worker -> controller replies) in one go.
+
+Two backends with the same semantics:
+
+- ``"native-shm"``: the ``dtorch_core._native`` extension, a ring in POSIX shared memory with
+  futex wake-ups (no system call on an uncontended send or receive).
+- ``"pipe"``: pure Python over ``os.pipe()``, used when the extension is not built.
+
+:func:`active_backend` picks the native one when it imports, else the pipe; the environment
+variable ``DTORCH_CHANNEL`` (``native`` or ``pipe``) forces one.
+
+Semantics shared by both backends:
+
+- ``send(data, timeout=None)`` sends one message (``bytes``, ``bytearray``, ``memoryview`` or any
+  C-contiguous buffer; 0 bytes is a valid message). It blocks while the channel is full.
+- ``recv(timeout=None) -> bytes`` returns the next message; ``None`` waits forever.
+  ``try_recv() -> bytes | None`` never waits for a message to begin.
+- A timeout bounds the wait for a message (or for room) to *begin*. Once a message has begun to
+  move it is finished as fast as the other side goes, so a timeout never splits a message.
+  Expiry raises :class:`ChannelTimeoutError` (a ``TimeoutError``).
+- ``close()`` on either end makes the other end's waits end: the receiver gets the messages
+  already sent, then :class:`ChannelClosedError`; a sender gets :class:`ChannelClosedError` at
+  once. A peer process that exits without closing is detected the same way (within ~50-100 ms
+  of it blocking for the native backend, at once for the pipe), so nothing waits forever.
+- Each end may be used from several threads (operations on one end are serialized).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+from typing import Any, Literal
+
+import attrs
+
+from ..errors import DTorchError
+
+BACKEND_NATIVE = "native-shm"
+BACKEND_PIPE = "pipe"
+BACKENDS = (BACKEND_NATIVE, BACKEND_PIPE)
+
+ENV_BACKEND = "DTORCH_CHANNEL"
+#: Microseconds a blocked native send/receive spins before it sleeps on the futex.
+ENV_SPIN_US = "DTORCH_CHANNEL_SPIN_US"
+DEFAULT_SPIN_US = 50.0
+#: Ring size of a native channel (a power of two); larger messages are streamed through it.
+DEFAULT_CAPACITY = 1 << 20
+
+_ENV_ALIASES = {
+    "": None,
+    "auto": None,
+    "native": BACKEND_NATIVE,
+    "native-shm": BACKEND_NATIVE,
+    "shm": BACKEND_NATIVE,
+    "pipe": BACKEND_PIPE,
+}
+
+Role = Literal["send", "recv"]
+
+
+class ChannelClosedError(DTorchError, ConnectionError):
+    """The other end closed the channel or its process exited, or this end is closed."""
+
+
+class ChannelTimeoutError(DTorchError, TimeoutError):
+    """No message (or no room for one) within the timeout; the channel stays usable."""
+
+
+class ChannelBackendError(DTorchError):
+    """The channel backend asked for (``DTORCH_CHANNEL`` or ``backend=``) is not available."""
+
+
+# ---------------------------------------------------------------------------------------------
+# the interface
+# ---------------------------------------------------------------------------------------------
+class Channel:
+    """One end of a one-direction byte-message channel (see the module docstring)."""
+
+    backend: str = ""
+    role: Role
+
+    def send(self, data: Any, timeout: float | None = None) -> None:
+        """Send one message; blocks while the channel is full (``timeout`` bounds that wait)."""
+        raise NotImplementedError
+
+    def recv(self, timeout: float | None = None) -> bytes:
+        """The next message; waits up to ``timeout`` seconds (None: forever) for it to begin."""
+        raise NotImplementedError
+
+    def try_recv(self) -> bytes | None:
+        """The next message if one has begun to arrive, else None."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Close this end (idempotent); the other end's waits end with ChannelClosedError."""
+        raise NotImplementedError
+
+    @property
+    def closed(self) -> bool:
+        raise NotImplementedError
+
+    def child_started(self, pid: int | None = None) -> None:
+        """Tell the controller's end that the child process holding the other end started.
+
+        Call it right after starting the child. The pipe backend closes the controller's copy of
+        the child's file descriptor here (otherwise the child's death would go unnoticed); the
+        native backend starts watching ``pid`` even before the child opens its end.
+        """
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@attrs.frozen
+class ChannelSpec:
+    """How a child process opens its end of a channel; pass it to :func:`open_channel`.
+
+    ``role`` is the role of the end opened from this spec. For the pipe backend ``fd`` must be
+    inherited by the child: pass :attr:`pass_fds` to ``subprocess.Popen(pass_fds=...)``, or hand
+    the spec to a ``multiprocessing`` spawn-context process as an argument (pickling it there
+    duplicates the descriptor into the child). :meth:`encode`/:meth:`decode` carry it through a
+    command line or an environment variable.
+    """
+
+    backend: str
+    role: Role
+    name: str = ""
+    fd: int = -1
+    capacity: int = 0
+
+    @property
+    def pass_fds(self) -> tuple[int, ...]:
+        """File descriptors the child process must inherit."""
+        return (self.fd,) if self.fd >= 0 else ()
+
+    def encode(self) -> str:
+        return json.dumps(attrs.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, text: str | dict[str, Any]) -> ChannelSpec:
+        data = json.loads(text) if isinstance(text, str) else text
+        return cls(**data)
+
+    def __reduce__(self):
+        if self.backend == BACKEND_PIPE and self.fd >= 0:
+            from multiprocessing import context, reduction
+
+            if context.get_spawning_popen() is not None:
+                return (_rebuild_inherited_spec, (self.role, reduction.DupFd(self.fd), self.capacity))
+        return (ChannelSpec, (self.backend, self.role, self.name, self.fd, self.capacity))
+
+
+def _rebuild_inherited_spec(role: Role, dup_fd: Any, capacity: int) -> ChannelSpec:
+    return ChannelSpec(BACKEND_PIPE, role, fd=dup_fd.detach(), capacity=capacity)
+
+
+# ---------------------------------------------------------------------------------------------
+# backend selection
+# ---------------------------------------------------------------------------------------------
+_native_lock = threading.Lock()
+_native_state: tuple[Any, str] | None = None  # (shm module or None, why not)
+
+
+def _native_backend() -> tuple[Any, str]:
+    """(the shm backend module, "") when the extension imports, else (None, the reason)."""
+    global _native_state
+    if _native_state is None:
+        with _native_lock:
+            if _native_state is None:
+                try:
+                    from . import shm
+                except ImportError as exc:  # not built, or built for another interpreter
+                    _native_state = (None, f"{type(exc).__name__}: {exc}")
+                else:
+                    _native_state = (shm, "")
+    return _native_state
+
+
+def native_available() -> bool:
+    """True when the compiled extension ``dtorch_core._native`` imports."""
+    return _native_backend()[0] is not None
+
+
+def native_unavailable_reason() -> str:
+    """Why the native backend is unavailable ("" when it is available)."""
+    return _native_backend()[1]
+
+
+def _requested_backend() -> str | None:
+    raw = os.environ.get(ENV_BACKEND, "").strip().lower()
+    if raw not in _ENV_ALIASES:
+        raise ChannelBackendError(
+            f"{ENV_BACKEND}={raw!r} is not a channel backend; use 'native' or 'pipe' "
+            "(or leave it unset to pick native when built)"
+        )
+    return _ENV_ALIASES[raw]
+
+
+def _resolve(backend: str | None) -> str:
+    if backend is None:
+        backend = _requested_backend()
+    elif backend not in BACKENDS:
+        backend = _ENV_ALIASES.get(backend, backend)
+        if backend not in BACKENDS:
+            raise ChannelBackendError(f"unknown channel backend {backend!r}; choose one of {BACKENDS}")
+    if backend is None:
+        return BACKEND_NATIVE if native_available() else BACKEND_PIPE
+    if backend == BACKEND_NATIVE and not native_available():
+        raise ChannelBackendError(
+            "the native shared-memory channel was requested (DTORCH_CHANNEL or backend=) but the "
+            f"extension dtorch_core._native is not available ({native_unavailable_reason()}). "
+            "Reinstall dtorch-core where a C++17 compiler and CMake are present "
+            "(python -m pip install .), or set DTORCH_CHANNEL=pipe."
+        )
+    return backend
+
+
+def active_backend() -> str:
+    """The backend new channels use: ``"native-shm"`` or ``"pipe"``.
+
+    ``DTORCH_CHANNEL=native|pipe`` forces one; forcing native without the extension raises
+    :class:`ChannelBackendError`.
+    """
+    return _resolve(None)
+
+
+def spin_us() -> float:
+    """Spin time before sleeping, from ``DTORCH_CHANNEL_SPIN_US`` (default 50 us)."""
+    raw = os.environ.get(ENV_SPIN_US)
+    if not raw:
+        return DEFAULT_SPIN_US
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        raise ChannelBackendError(f"{ENV_SPIN_US}={raw!r} is not a number of microseconds") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# making and opening channels
+# ---------------------------------------------------------------------------------------------
+def _shm_name() -> str:
+    return f"/dtorch-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def create_channel(
+    role: Role, *, backend: str | None = None, capacity: int = DEFAULT_CAPACITY
+) -> tuple[Channel, ChannelSpec]:
+    """Make a channel; returns this process's end (``role``) and the spec of the other end.
+
+    Keep the returned end open until the other process has opened its end, and call
+    :meth:`Channel.child_started` once that process runs.
+    """
+    if role not in ("send", "recv"):
+        raise ValueError(f"role must be 'send' or 'recv', not {role!r}")
+    other: Role = "recv" if role == "send" else "send"
+    chosen = _resolve(backend)
+    if chosen == BACKEND_NATIVE:
+        shm = _native_backend()[0]
+        name = _shm_name()
+        end = shm.ShmChannel.create(name, role, capacity=capacity, spin_us=spin_us())
+        return end, ChannelSpec(BACKEND_NATIVE, other, name=name, capacity=end.capacity)
+    from . import pipe
+
+    end, child_fd = pipe.PipeChannel.create(role)
+    return end, ChannelSpec(BACKEND_PIPE, other, fd=child_fd, capacity=end.capacity)
+
+
+def open_channel(spec: ChannelSpec) -> Channel:
+    """Open the end described by ``spec`` (in the child process). Takes over ``spec.fd``."""
+    if spec.backend == BACKEND_NATIVE:
+        shm = _native_backend()[0]
+        if shm is None:
+            raise ChannelBackendError(
+                "this channel was made with the native shared-memory backend, but "
+                f"dtorch_core._native does not import in this process ({native_unavailable_reason()})"
+            )
+        return shm.ShmChannel.open(spec.name, spec.role, spin_us=spin_us())
+    if spec.backend == BACKEND_PIPE:
+        from . import pipe
+
+        return pipe.PipeChannel(spec.fd, spec.role)
+    raise ChannelBackendError(f"unknown channel backend {spec.backend!r} in {spec!r}")
+
+
+def local_channel(
+    *, backend: str | None = None, capacity: int = DEFAULT_CAPACITY
+) -> tuple[Channel, Channel]:
+    """Both ends of one channel in this process: ``(sender, receiver)`` (tests, threads)."""
+    sender, spec = create_channel("send", backend=backend, capacity=capacity)
+    receiver = open_channel(spec)
+    detach = getattr(sender, "_disown_child_end", None)
+    if detach is not None:
+        detach()  # the receiver owns that descriptor now
+    return sender, receiver
+
+
+@attrs.frozen
+class ChannelPairSpec:
+    """The child's view of a :class:`ChannelPair`: what it receives on and what it sends on."""
+
+    to_child: ChannelSpec
+    to_parent: ChannelSpec
+
+    @property
+    def pass_fds(self) -> tuple[int, ...]:
+        return self.to_child.pass_fds + self.to_parent.pass_fds
+
+    def encode(self) -> str:
+        return json.dumps(
+            {"to_child": attrs.asdict(self.to_child), "to_parent": attrs.asdict(self.to_parent)},
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def decode(cls, text: str) -> ChannelPairSpec:
+        data = json.loads(text)
+        return cls(ChannelSpec.decode(data["to_child"]), ChannelSpec.decode(data["to_parent"]))
+
+
+@attrs.define
+class ChannelPair:
+    """Two channels, one each way: ``tx`` sends to the other process, ``rx`` receives from it.
+
+    In the controller ``spec`` is what to hand to the child; the child gets its own pair (with
+    ``tx``/``rx`` swapped in meaning) from :func:`open_channel_pair`.
+    """
+
+    tx: Channel
+    rx: Channel
+    spec: ChannelPairSpec | None = None
+
+    def child_started(self, pid: int | None = None) -> None:
+        self.tx.child_started(pid)
+        self.rx.child_started(pid)
+
+    def close(self) -> None:
+        self.tx.close()
+        self.rx.close()
+
+    def __enter__(self) -> ChannelPair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def channel_pair(*, backend: str | None = None, capacity: int = DEFAULT_CAPACITY) -> ChannelPair:
+    """Make the controller's side of a controller <-> worker pair of channels.
+
+    Start the child with ``pair.spec`` (``pass_fds=pair.spec.pass_fds`` and ``pair.spec.encode()``
+    for ``subprocess``; or the spec itself as a ``multiprocessing`` spawn argument), then call
+    ``pair.child_started(proc.pid)``.
+    """
+    chosen = _resolve(backend)
+    tx, to_child = create_channel("send", backend=chosen, capacity=capacity)
+    try:
+        rx, to_parent = create_channel("recv", backend=chosen, capacity=capacity)
+    except BaseException:
+        tx.close()
+        raise
+    return ChannelPair(tx, rx, ChannelPairSpec(to_child, to_parent))
+
+
+def open_channel_pair(spec: ChannelPairSpec | str) -> ChannelPair:
+    """The child's side of :func:`channel_pair`: ``rx`` receives batches, ``tx`` sends replies."""
+    if isinstance(spec, str):
+        spec = ChannelPairSpec.decode(spec)
+    rx = open_channel(spec.to_child)
+    try:
+        tx = open_channel(spec.to_parent)
+    except BaseException:
+        rx.close()
+        raise
+    return ChannelPair(tx, rx, spec)
