@@ -1,4 +1,9 @@
-"""Shared fixtures: every test that takes ``runner`` runs once per runner."""
+"""Shared fixtures: every test that takes ``runner`` runs once per runner.
+
+A session per runner is started once (pytest groups the tests by runner, since the fixture
+behind ``runner`` is session-scoped) and reset between tests: starting worker processes for each
+of thousands of tests would cost minutes. A test that shuts the session down gets a new one.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +13,34 @@ import pytest
 import torch
 
 import dtorch_core as dt
+from dtorch_core.runtime import session as session_module
 
-RUNNERS = [r for r in os.environ.get("DTORCH_TEST_RUNNERS", "inline,thread").split(",") if r]
+RUNNERS = [r for r in os.environ.get("DTORCH_TEST_RUNNERS", "inline,thread,process").split(",") if r]
 WORLD_SIZE = 4
 
 
-@pytest.fixture(params=RUNNERS)
-def runner(request):
-    """The runner name; a session of WORLD_SIZE devices is running for the test."""
-    dt.init(world_size=WORLD_SIZE, runner=request.param)
-    torch.manual_seed(0)
+@pytest.fixture(scope="session", params=RUNNERS)
+def _runner_name(request):
     yield request.param
     dt.shutdown()
+
+
+@pytest.fixture
+def runner(_runner_name):
+    """The runner name; a session of WORLD_SIZE devices is running for the test."""
+    current = session_module._session
+    if current is None or current.runner.name != _runner_name or current.world_size != WORLD_SIZE:
+        dt.init(world_size=WORLD_SIZE, runner=_runner_name)
+    session = session_module._session
+    session.strict = False
+    session.fallback_counts.clear()
+    session._warned.clear()
+    session.plans.clear()  # plans depend on strict mode
+    dt.manual_seed(0)
+    torch.manual_seed(0)
+    yield _runner_name
+    if session_module._session is not None and session_module._session.strict:
+        session_module._session.strict = False
 
 
 @pytest.fixture

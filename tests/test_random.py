@@ -39,8 +39,9 @@ def _input():
 
 
 def _fresh_session(runner, mesh_shape):
-    """Start a new session (the fixture's teardown shuts it down) and return its mesh."""
-    dt.init(world_size=4, runner=runner, strict=True)
+    """Reset the fixture's session (strict mode, seed) and return a mesh on it."""
+    dt.set_strict(True)
+    dt.manual_seed(0)
     return dt.init_device_mesh("cpu", mesh_shape)
 
 

@@ -297,13 +297,26 @@ def test_decoded_tensor_owns_its_memory():
     assert torch.equal(out, t)
     out.add_(1)  # writable, no warning about read-only buffers
     assert torch.equal(out, t + 1)
+    out.resize_(5, 5)  # a normal, resizable storage (out= ops resize their outputs)
 
 
 def test_encode_parts_alias_tensor_memory():
     t = torch.randn(1024)
-    parts = encode_parts(Put(1, 1, {0: t, 1: t}))
-    assert len(parts) == 3 and all(p.nbytes == 4096 for p in parts[1:])
-    assert decode(b"".join(parts)).shards[1].equal(t)
+    parts = encode_parts(Put(1, 1, {0: t, 1: t[::2]}))
+    assert [p.nbytes for p in parts[1:]] == [4096, 2048]
+    assert parts[1].readonly
+    del t  # the parts keep the memory alive (the second one is a contiguous copy)
+    import gc
+
+    gc.collect()
+    out = decode(b"".join(parts))
+    assert out.shards[1].equal(out.shards[0][::2])
+
+
+def test_encoding_leaves_the_tensor_resizable():
+    t = torch.randn(4, 4)
+    encode(Reply(1, 0, value=t))
+    t.resize_(8, 8)  # a worker's stored tensor may be the out= of a later op
 
 
 @pytest.mark.parametrize("as_type", [bytes, bytearray, memoryview, lambda b: memoryview(array("B", b))])
@@ -470,6 +483,33 @@ def test_tensor_subclass_is_refused_without_reading_it():
 
     with pytest.raises(WireError, match="Handle"):
         encode(torch.randn(2).as_subclass(Handle))
+
+
+WRAPPERS = {
+    "list": lambda x: [x],
+    "tuple": lambda x: (x,),
+    "dict": lambda x: {"k": x},
+    "slice": lambda x: slice(x, None, None),
+    "Reply": lambda x: Reply(1, 0, value=x),
+    "DefinePlan": lambda x: DefinePlan(1, 1, "t", x, {}, None, "op"),
+}
+
+
+@pytest.mark.parametrize("kind", list(WRAPPERS))
+@pytest.mark.parametrize("inner", [[0], torch.Size([2]), (0, 300), ("a", 1)], ids=repr)
+def test_nesting_limit_is_the_same_on_both_sides(kind, inner):
+    wrap = WRAPPERS[kind]
+    if kind == "DefinePlan":
+        wrap = lambda x: DefinePlan(1, 1, "t", (x,), {}, None, "op")  # noqa: E731  (two levels)
+        levels = wire.MAX_DEPTH // 2 - 1
+    else:
+        levels = wire.MAX_DEPTH - 1
+    v = inner
+    for _ in range(levels):
+        v = wrap(v)
+    round_trip(v)  # innermost container at depth 63: accepted by both
+    with pytest.raises(WireError, match="deeper than 64"):
+        encode(wrap(wrap(v)))
 
 
 def test_too_deep_to_encode():

@@ -24,7 +24,12 @@ Tag bytes::
     e0-ef  dict of 0..15 entries   d1 torch.Size (a tuple follows)   d2 slice (3 values follow)
     f0-ff  object, class code 0-15 (u8 field count, fields follow); d9: class code u16 + u8 count
     d3 dtype (u8)  d4 device (str, int|None)  d5 layout (u8)  d6 memory format (u8)
-    d8 tensor (u8 dtype, u8 ndim, ndim x u64 dims, u64 nbytes)    d7, da-df reserved
+    d8 tensor (u8 dtype, u8 ndim, ndim x u64 dims, u64 nbytes)
+    da/db/dc tuple of int16/32/64 (u8 count, then the ints)   dd memo tuple (u8 count, values)
+    d7, de, df reserved
+
+Tuples of ints (tensor ids) are packed arrays; a tuple of str/int/None that starts with a str
+(a ``(file, line)`` source) is memoised like a string: sent once per message, then referenced.
 
 Class, dtype, layout and memory-format codes live in the tables below. Codes are never reused
 or renumbered: a new class or dtype takes the next free code. Changing the layout of anything
@@ -33,11 +38,12 @@ or renumbered: a new class or dtype takes the next free code. Changing the layou
 ``encode(obj)`` / ``decode(data)`` handle one message. ``encode_parts(obj)`` gives the same
 bytes as a list of buffers whose tensor parts alias the tensors' memory, so a transport can
 write them (e.g. into shared memory) without joining them first. ``decode`` copies each tensor's
-bytes once, into memory the tensor owns, so the input buffer may be reused right after.
+bytes once, into a tensor torch allocated, so the input buffer may be reused right after.
 """
 
 from __future__ import annotations
 
+import ctypes
 import operator
 import struct
 from typing import Any
@@ -275,6 +281,9 @@ _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _NONE, _FALSE, _TRUE, _ELLIPSIS = 0xC0, 0xC1, 0xC2, 0xC3
 _FLAT_TYPES = frozenset({str, int, type(None)})  # memoised tuples: equality never mixes types
 _REFS = [bytes((0xCB, i)) for i in range(256)]
+# tuples of up to 255 ints that are not all small: one struct call each way
+_ARRAY_TAGS = ((0xDA, "h", -(1 << 15), (1 << 15) - 1), (0xDB, "i", -(1 << 31), (1 << 31) - 1), (0xDC, "q", _INT64_MIN, _INT64_MAX))
+_PACK_I16, _PACK_I32, _PACK_I64 = ([struct.Struct(f"<BB{n}{c}").pack for n in range(256)] for _, c, _, _ in _ARRAY_TAGS)
 
 
 def _kind_of(obj) -> int:
@@ -336,17 +345,34 @@ def encode_parts(obj) -> list:
                     enc(x, depth + 1)
                 memo[v] = len(memo)
                 return
+            if n < 256 and type(v[0]) is int:
+                for x in v:
+                    if type(x) is not int:
+                        break
+                else:
+                    lo = min(v)
+                    hi = max(v)
+                    if lo >= 0 and hi < 0x80 and n < 16:
+                        append(0x80 | n)
+                        extend(bytes(v))
+                        return
+                    if -0x8000 <= lo and hi < 0x8000:
+                        extend(_PACK_I16[n](0xDA, n, *v))
+                        return
+                    if -0x80000000 <= lo and hi < 0x80000000:
+                        extend(_PACK_I32[n](0xDB, n, *v))
+                        return
+                    if _INT64_MIN <= lo and hi <= _INT64_MAX:
+                        extend(_PACK_I64[n](0xDC, n, *v))
+                        return
             if n < 16:
                 append(0x80 | n)
             else:
                 extend(_pack_u32(0xCE, n))
             d1 = depth + 1
             for x in v:
-                if type(x) is int and -0x8000 <= x < 0x8000:
-                    if 0 <= x < 0x80:
-                        append(x)
-                    else:
-                        extend(_pack_h(0xC5, x))
+                if type(x) is int and 0 <= x < 0x80:
+                    append(x)
                 else:
                     enc(x, d1)
         elif t is str:
@@ -376,21 +402,25 @@ def encode_parts(obj) -> list:
                     append(_NONE)
                 elif tx is int and 0 <= x < 0x80:
                     append(x)
-                elif tx is tuple and 0 < len(x) < 16 and type(x[0]) is int and d1 < MAX_DEPTH:
-                    mark = len(body)
-                    append(0x80 | len(x))
+                elif tx is tuple and type(x[0] if x else None) is int and len(x) < 256 and d1 < MAX_DEPTH:
+                    # tensor ids: the same packing as enc's tuple branch, without the call
                     for y in x:
-                        if type(y) is int and -0x80000000 <= y < 0x80000000:
-                            if 0 <= y < 0x80:
-                                append(y)
-                            elif -0x8000 <= y < 0x8000:
-                                extend(_pack_h(0xC5, y))
-                            else:
-                                extend(_pack_i(0xC6, y))
-                        else:  # not only int32s: start the tuple again the general way
-                            del body[mark:]
+                        if type(y) is not int:
                             enc(x, d1)
                             break
+                    else:
+                        n = len(x)
+                        lo = min(x)
+                        hi = max(x)
+                        if lo >= 0 and hi < 0x80 and n < 16:
+                            append(0x80 | n)
+                            extend(bytes(x))
+                        elif -0x8000 <= lo and hi < 0x8000:
+                            extend(_PACK_I16[n](0xDA, n, *x))
+                        elif -0x80000000 <= lo and hi < 0x80000000:
+                            extend(_PACK_I32[n](0xDB, n, *x))
+                        else:
+                            enc(x, d1)
                 else:
                     enc(x, d1)
         elif t is bool:
@@ -548,7 +578,11 @@ def _tensor_record(v: torch.Tensor, data: list) -> bytes:
         raise WireError(f"tensor has {len(shape)} dims; the wire format carries at most {MAX_NDIM}")
     nbytes = x.numel() * x.element_size()
     if nbytes:
-        data.append(memoryview(x.reshape(-1).view(torch.uint8).numpy()))
+        # A view of the tensor's memory. Not ``.numpy()``: that marks the storage unresizable
+        # for good, and a worker's stored tensor may later be an ``out=`` that must resize.
+        buf = (ctypes.c_char * nbytes).from_address(x.data_ptr())
+        buf.keep = x  # the memory lives as long as the buffer
+        data.append(memoryview(buf).cast("B").toreadonly())
     return struct.pack(f"<BBB{len(shape)}QQ", 0xD8, code, len(shape), *shape, nbytes)
 
 
@@ -564,6 +598,9 @@ _unpack_dd = struct.Struct("<dd").unpack_from
 _unpack_u16 = struct.Struct("<H").unpack_from
 _unpack_u32 = struct.Struct("<I").unpack_from
 _unpack_u64 = struct.Struct("<Q").unpack_from
+_UNPACK_I16, _UNPACK_I32, _UNPACK_I64 = (
+    [struct.Struct(f"<{n}{c}").unpack_from for n in range(256)] for _, c, _, _ in _ARRAY_TAGS
+)
 
 
 def _read_header(mv: memoryview) -> tuple:
@@ -614,8 +651,8 @@ def _byte_view(data) -> memoryview:
 def decode(data: bytes | bytearray | memoryview):
     """The value that ``encode`` turned into ``data``; WireError on anything malformed.
 
-    Tensors are built on a copy of their bytes (one copy each, which the tensor owns), so
-    ``data`` may be reused as soon as this returns.
+    Each tensor's bytes are copied once, into a tensor torch allocated, so ``data`` may be
+    reused as soon as this returns.
     """
     mv = _byte_view(data)
     kind, body_len, _ = _read_header(mv)
@@ -687,6 +724,10 @@ def _decode_body(body: bytes, blob: memoryview):
             elif b == 0xC6:
                 add(unpack_i(body, p + 1)[0])
                 p += 5
+            elif b == 0xDA:
+                n = body[p + 1]
+                add(_UNPACK_I16[n](body, p + 2))
+                p += 2 + 2 * n
             else:
                 v, p = dec(p, d1)
                 add(v)
@@ -714,6 +755,9 @@ def _decode_body(body: bytes, blob: memoryview):
                 return None, pos + 1
             if b == 0xC5:
                 return unpack_h(body, pos + 1)[0], pos + 3
+            if b == 0xDA:
+                n = body[pos + 1]
+                return _UNPACK_I16[n](body, pos + 2), pos + 2 + 2 * n
             if b >= 0xF0:
                 code = b & 0x0F
                 count = body[pos + 1]
@@ -745,27 +789,14 @@ def _decode_body(body: bytes, blob: memoryview):
                 elif b == 0xC0:
                     add(None)
                     p += 1
-                elif 0x80 < b < 0x90 and d1 < MAX_DEPTH:  # a short tuple: tensor ids, mostly
-                    q = p + 1
-                    tup = []
-                    for _ in range(b & 0x0F):
-                        c = body[q]
-                        if c < 0x80:
-                            tup.append(c)
-                            q += 1
-                        elif c == 0xC5:
-                            tup.append(unpack_h(body, q + 1)[0])
-                            q += 3
-                        elif c == 0xC6:
-                            tup.append(unpack_i(body, q + 1)[0])
-                            q += 5
-                        else:
-                            v, p = dec(p, d1)
-                            add(v)
-                            break
-                    else:
-                        add(tuple(tup))
-                        p = q
+                elif b == 0xDA:  # tensor ids
+                    n = body[p + 1]
+                    add(_UNPACK_I16[n](body, p + 2))
+                    p += 2 + 2 * n
+                elif b == 0xDB:
+                    n = body[p + 1]
+                    add(_UNPACK_I32[n](body, p + 2))
+                    p += 2 + 4 * n
                 elif b == 0xCB:
                     i = body[p + 1]
                     if i >= len(memo):
@@ -813,6 +844,12 @@ def _decode_body(body: bytes, blob: memoryview):
                 return out, p
             if b == 0xC6:
                 return unpack_i(body, pos + 1)[0], pos + 5
+            if b == 0xDB:
+                n = body[pos + 1]
+                return _UNPACK_I32[n](body, pos + 2), pos + 2 + 4 * n
+            if b == 0xDC:
+                n = body[pos + 1]
+                return _UNPACK_I64[n](body, pos + 2), pos + 2 + 8 * n
             if b == 0xC4:
                 return _unpack_b(body, pos + 1)[0], pos + 2
             if b == 0xC7:
@@ -962,12 +999,15 @@ def _decode_body(body: bytes, blob: memoryview):
             fail(f"tensor of {nbytes} bytes runs past the end of the data section ({left} bytes left)", pos)
         start = data_pos
         data_pos += nbytes
+        # The one copy, into memory torch allocated: the tensor is aligned, resizable (out= ops
+        # may resize it) and independent of the transport's buffer.
         if not nbytes:
             return torch.empty(shape, dtype=dtype), p
-        buf = bytearray(blob[start : start + nbytes])  # the one copy; the tensor owns it
-        if dtype is torch.bool and buf.translate(None, b"\x00\x01"):
+        storage = torch.UntypedStorage.from_buffer(blob[start : start + nbytes], dtype=torch.uint8)
+        t = torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+        if dtype is torch.bool and int(t.view(torch.uint8).max()) > 1:
             fail("bool tensor holds bytes other than 0 and 1", pos)
-        return torch.frombuffer(buf, dtype=dtype).view(shape), p
+        return t, p
 
     value, pos = dec(0, 0)
     if pos != end:

@@ -78,8 +78,10 @@ class ProcessRunner(Runner):
         self.procs = []
         threads = int(os.environ.get("DTORCH_WORKER_THREADS", max(1, (os.cpu_count() or 1) // world_size)))
         env = dict(os.environ)
+        # workers import what the controller can import (its sys.path, this package included)
         pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+        paths = [pkg_root] + [p for p in sys.path if p and os.path.isdir(p)]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env["OMP_NUM_THREADS"] = str(threads)
         for rank in range(world_size):
             down, down_spec = create_channel("send")
