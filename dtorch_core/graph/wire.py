@@ -25,8 +25,8 @@ Tag bytes::
     f0-ff  object, class code 0-15 (u8 field count, fields follow); d9: class code u16 + u8 count
     d3 dtype (u8)  d4 device (str, int|None)  d5 layout (u8)  d6 memory format (u8)
     d8 tensor (u8 dtype, u8 ndim, ndim x u64 dims, u64 nbytes)
-    da/db/dc tuple of int16/32/64 (u8 count, then the ints)   dd memo tuple (u8 count, values)
-    d7, de, df reserved
+    da/db  tuple of int32/int64 (u8 count, then the ints)   dd memo tuple (u8 count, values)
+    d7, dc, de, df reserved
 
 Tuples of ints (tensor ids) are packed arrays; a tuple of str/int/None that starts with a str
 (a ``(file, line)`` source) is memoised like a string: sent once per message, then referenced.
@@ -281,9 +281,9 @@ _TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _NONE, _FALSE, _TRUE, _ELLIPSIS = 0xC0, 0xC1, 0xC2, 0xC3
 _FLAT_TYPES = frozenset({str, int, type(None)})  # memoised tuples: equality never mixes types
 _REFS = [bytes((0xCB, i)) for i in range(256)]
-# tuples of up to 255 ints that are not all small: one struct call each way
-_ARRAY_TAGS = ((0xDA, "h", -(1 << 15), (1 << 15) - 1), (0xDB, "i", -(1 << 31), (1 << 31) - 1), (0xDC, "q", _INT64_MIN, _INT64_MAX))
-_PACK_I16, _PACK_I32, _PACK_I64 = ([struct.Struct(f"<BB{n}{c}").pack for n in range(256)] for _, c, _, _ in _ARRAY_TAGS)
+# tuples of 1..255 ints (tensor ids): one struct call each way
+_PACK_I32 = [struct.Struct(f"<BB{n}i").pack for n in range(256)]
+_PACK_I64 = [struct.Struct(f"<BB{n}q").pack for n in range(256)]
 
 
 def _kind_of(obj) -> int:
@@ -352,18 +352,11 @@ def encode_parts(obj) -> list:
                 else:
                     lo = min(v)
                     hi = max(v)
-                    if lo >= 0 and hi < 0x80 and n < 16:
-                        append(0x80 | n)
-                        extend(bytes(v))
-                        return
-                    if -0x8000 <= lo and hi < 0x8000:
-                        extend(_PACK_I16[n](0xDA, n, *v))
-                        return
                     if -0x80000000 <= lo and hi < 0x80000000:
-                        extend(_PACK_I32[n](0xDB, n, *v))
+                        extend(_PACK_I32[n](0xDA, n, *v))
                         return
                     if _INT64_MIN <= lo and hi <= _INT64_MAX:
-                        extend(_PACK_I64[n](0xDC, n, *v))
+                        extend(_PACK_I64[n](0xDB, n, *v))
                         return
             if n < 16:
                 append(0x80 | n)
@@ -402,25 +395,22 @@ def encode_parts(obj) -> list:
                     append(_NONE)
                 elif tx is int and 0 <= x < 0x80:
                     append(x)
-                elif tx is tuple and type(x[0] if x else None) is int and len(x) < 256 and d1 < MAX_DEPTH:
-                    # tensor ids: the same packing as enc's tuple branch, without the call
-                    for y in x:
-                        if type(y) is not int:
-                            enc(x, d1)
-                            break
-                    else:
-                        n = len(x)
-                        lo = min(x)
-                        hi = max(x)
-                        if lo >= 0 and hi < 0x80 and n < 16:
-                            append(0x80 | n)
-                            extend(bytes(x))
-                        elif -0x8000 <= lo and hi < 0x8000:
-                            extend(_PACK_I16[n](0xDA, n, *x))
-                        elif -0x80000000 <= lo and hi < 0x80000000:
-                            extend(_PACK_I32[n](0xDB, n, *x))
+                elif tx is tuple and x and d1 < MAX_DEPTH:
+                    # what enc's tuple branch does for tensor ids and sources, without the call
+                    n = len(x)
+                    t0 = type(x[0])
+                    if t0 is int and n < 256:
+                        for y in x:
+                            if type(y) is not int or not -0x80000000 <= y < 0x80000000:
+                                enc(x, d1)
+                                break
                         else:
-                            enc(x, d1)
+                            extend(_PACK_I32[n](0xDA, n, *x))
+                    elif t0 is str and n == 2 and type(x[1]) is int and x in memo:
+                        idx = memo[x]
+                        extend(_REFS[idx] if idx < 256 else _pack_u32(0xCC, idx))
+                    else:
+                        enc(x, d1)
                 else:
                     enc(x, d1)
         elif t is bool:
@@ -598,9 +588,8 @@ _unpack_dd = struct.Struct("<dd").unpack_from
 _unpack_u16 = struct.Struct("<H").unpack_from
 _unpack_u32 = struct.Struct("<I").unpack_from
 _unpack_u64 = struct.Struct("<Q").unpack_from
-_UNPACK_I16, _UNPACK_I32, _UNPACK_I64 = (
-    [struct.Struct(f"<{n}{c}").unpack_from for n in range(256)] for _, c, _, _ in _ARRAY_TAGS
-)
+_UNPACK_I32 = [struct.Struct(f"<{n}i").unpack_from for n in range(256)]
+_UNPACK_I64 = [struct.Struct(f"<{n}q").unpack_from for n in range(256)]
 
 
 def _read_header(mv: memoryview) -> tuple:
@@ -726,8 +715,8 @@ def _decode_body(body: bytes, blob: memoryview):
                 p += 5
             elif b == 0xDA:
                 n = body[p + 1]
-                add(_UNPACK_I16[n](body, p + 2))
-                p += 2 + 2 * n
+                add(_UNPACK_I32[n](body, p + 2))
+                p += 2 + 4 * n
             else:
                 v, p = dec(p, d1)
                 add(v)
@@ -757,7 +746,7 @@ def _decode_body(body: bytes, blob: memoryview):
                 return unpack_h(body, pos + 1)[0], pos + 3
             if b == 0xDA:
                 n = body[pos + 1]
-                return _UNPACK_I16[n](body, pos + 2), pos + 2 + 2 * n
+                return _UNPACK_I32[n](body, pos + 2), pos + 2 + 4 * n
             if b >= 0xF0:
                 code = b & 0x0F
                 count = body[pos + 1]
@@ -790,10 +779,6 @@ def _decode_body(body: bytes, blob: memoryview):
                     add(None)
                     p += 1
                 elif b == 0xDA:  # tensor ids
-                    n = body[p + 1]
-                    add(_UNPACK_I16[n](body, p + 2))
-                    p += 2 + 2 * n
-                elif b == 0xDB:
                     n = body[p + 1]
                     add(_UNPACK_I32[n](body, p + 2))
                     p += 2 + 4 * n
@@ -845,9 +830,6 @@ def _decode_body(body: bytes, blob: memoryview):
             if b == 0xC6:
                 return unpack_i(body, pos + 1)[0], pos + 5
             if b == 0xDB:
-                n = body[pos + 1]
-                return _UNPACK_I32[n](body, pos + 2), pos + 2 + 4 * n
-            if b == 0xDC:
                 n = body[pos + 1]
                 return _UNPACK_I64[n](body, pos + 2), pos + 2 + 8 * n
             if b == 0xC4:

@@ -146,7 +146,7 @@ class ProcessRunner(Runner):
                 data = channel.recv(None)
             except Exception as exc:
                 if not self._closing:
-                    self._mark_dead(rank, f"its channel closed ({exc!r})")
+                    self._mark_dead(rank, self._exit_reason(rank, wait=1.0) or f"its channel closed ({exc})")
                 return
             try:
                 reply = wire.decode(data)
@@ -163,13 +163,23 @@ class ProcessRunner(Runner):
                 continue
             self._reply(reply)
 
+    def _exit_reason(self, rank: int, wait: float = 0.0) -> str | None:
+        proc = self.procs[rank]
+        try:
+            code = proc.wait(wait) if wait else proc.poll()
+        except subprocess.TimeoutExpired:
+            return None
+        if code is None:
+            return None
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        return f"its process (pid {proc.pid}) {how}"
+
     def _watch(self) -> None:
         while not self._closing:
-            for rank, proc in enumerate(self.procs):
-                code = proc.poll()
-                if code is not None and not self._closing:
-                    how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                    self._mark_dead(rank, f"the process {how}")
+            for rank in range(len(self.procs)):
+                reason = self._exit_reason(rank)
+                if reason is not None and not self._closing:
+                    self._mark_dead(rank, reason)
             time.sleep(0.1)
 
     def _mark_dead(self, rank: int, reason: str) -> None:
@@ -180,15 +190,18 @@ class ProcessRunner(Runner):
     def _raise_if_dead(self) -> None:
         if self._dead:
             rank, reason = next(iter(sorted(self._dead.items())))
-            raise WorkerLostError(f"worker rank {rank} (process runner) is gone: {reason}; call dt.shutdown()")
+            raise WorkerLostError(f"worker rank {rank} (process runner) is lost: {reason}; call dt.shutdown() and start again")
 
     def wait_replies(self, request_id: int, count: int, timeout: float) -> list:
+        # a worker answers in order, so a rejected frame sent before this request is reported
+        # before the reply we wait for
+        replies = super().wait_replies(request_id, count, timeout)
         with self._cond:
             if self._protocol_errors:
                 f = self._protocol_errors.pop(0)
                 raise WorkerError(f"worker rank {f.rank} rejected a batch: {f.message}",
                                   rank=f.rank, op=f.op, source=None)
-        return super().wait_replies(request_id, count, timeout)
+        return replies
 
     # -- shutdown -------------------------------------------------------------------------
     def shutdown(self) -> None:

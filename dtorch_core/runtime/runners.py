@@ -43,8 +43,10 @@ class Runner:
                 lambda: len(self._replies.get(request_id, ())) >= count or self._dead, timeout
             )
             if self._dead:
-                rank, reason = next(iter(self._dead.items()))
-                raise WorkerLostError(f"worker rank {rank} ({self.name} runner) died: {reason}")
+                rank, reason = min(self._dead.items())
+                raise WorkerLostError(
+                    f"worker rank {rank} ({self.name} runner) is lost: {reason}; call dt.shutdown() and start again"
+                )
             if not ok:
                 raise WorkerLostError(
                     f"no reply from the workers within {timeout:.0f}s (timeout set by DTORCH_TIMEOUT or "

@@ -240,6 +240,8 @@ class Session:
             return
         try:
             self.flush()
+        except Exception as exc:  # lost workers: shutting down must still succeed
+            log.warning("could not flush at shutdown", error=str(exc))
         finally:
             self._closed = True
             if self._flusher is not None:
