@@ -53,6 +53,7 @@ class Info:
     torch: str
     platform: str
     native_extension: bool
+    local_channel: str
     plugins: tuple[PluginInfo, ...]
     disabled_plugins: tuple[str, ...]
     runners: tuple[str, ...]
@@ -68,6 +69,20 @@ class Info:
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
+
+
+def _local_channel() -> str:
+    """The process runner's channel backend, with the reason when it is the fallback."""
+    from .transport.channel import active_backend, native_unavailable_reason
+
+    try:
+        backend = active_backend()
+    except Exception as exc:  # e.g. DTORCH_CHANNEL=native without the extension
+        return f"unavailable: {exc}"
+    if backend == "pipe":
+        reason = native_unavailable_reason()
+        return f"pipe ({reason})" if reason else "pipe"
+    return backend
 
 
 def native_extension_active() -> bool:
@@ -119,6 +134,7 @@ def collect_info() -> Info:
         torch=torch.__version__,
         platform=platform.platform(),
         native_extension=native_extension_active(),
+        local_channel=_local_channel(),
         plugins=tuple(described),
         disabled_plugins=tuple(plugins.disabled),
         runners=names("runners"),
@@ -145,6 +161,7 @@ def format_info(info: Info) -> str:
         f"  platform:         {info.platform}",
         "  native extension: "
         + ("active" if info.native_extension else "not built (pure-Python fallback)"),
+        f"  local channel:    {info.local_channel}  (process runner)",
         f"  runners:          {listing(info.runners)}",
         f"  communicators:    {listing(info.communicators)}",
         f"  transports:       {listing(info.transports)}",

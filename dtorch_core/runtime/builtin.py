@@ -33,9 +33,16 @@ def dtorch_register_runners(registry) -> None:
     registry.add("process", _process_runner)
 
 
+def _gloo_exchange(rank, device):
+    from ..comm.gloo import GlooExchange
+
+    return GlooExchange(rank, device)
+
+
 @hookimpl
 def dtorch_register_communicators(registry) -> None:
     registry.add("inprocess", InProcessExchange)
+    registry.add("gloo", _gloo_exchange)
 
 
 @hookimpl
@@ -43,6 +50,13 @@ def dtorch_register_streams(registry) -> None:
     registry.add("cpu", CpuStream)
 
 
+def _local_channel(role: str):
+    from ..transport.channel import create_channel
+
+    return create_channel(role)
+
+
 @hookimpl
 def dtorch_register_transports(registry) -> None:
     registry.add("inprocess", "batches are handed over through in-process queues")
+    registry.add("local", _local_channel)  # shared-memory ring (native) or pipe, per process

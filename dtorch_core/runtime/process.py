@@ -64,8 +64,15 @@ class ProcessRunner(Runner):
     flush_policy = FlushPolicy(batch_size=256, interval=0.002, when_idle=False)
 
     def __init__(self, world_size: int, device_type: str = "cpu", timeout: float = 300.0,
-                 startup_timeout: float | None = None, **_options):
-        from ..transport.channel import active_backend, create_channel
+                 startup_timeout: float | None = None, communicator: str | None = None,
+                 dist_backend: str | None = None, **_options):
+        from ..plugins import get_plugins
+        from ..transport.channel import active_backend
+
+        create_channel = get_plugins().registry("transports").get("local")
+        # CPU meshes use gloo; a device plugin (e.g. dtorch_nccl) registers its communicator
+        communicator = communicator or ("gloo" if device_type == "cpu" else device_type)
+        dist_backend = dist_backend or ("gloo" if device_type == "cpu" else "nccl")
 
         super().__init__(world_size, device_type)
         self.timeout = timeout
@@ -94,6 +101,8 @@ class ProcessRunner(Runner):
                 "parent_pid": os.getpid(),
                 "timeout": timeout,
                 "threads": threads,
+                "communicator": communicator,
+                "backend": dist_backend,
                 "recv": down_spec.encode(),
                 "send": up_spec.encode(),
             }

@@ -33,7 +33,6 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from ..comm.gloo import GlooExchange
     from ..graph import wire
     from ..graph.instructions import Reply, WorkerFailure
     from ..logging import configure
@@ -49,7 +48,7 @@ def main(argv=None) -> int:
     rx = open_channel(ChannelSpec.decode(config["recv"]))
     tx = open_channel(ChannelSpec.decode(config["send"]))
     dist.init_process_group(
-        "gloo",
+        config["backend"],
         init_method=f"tcp://127.0.0.1:{config['master_port']}",
         rank=rank,
         world_size=config["world_size"],
@@ -63,7 +62,9 @@ def main(argv=None) -> int:
         with send_lock:
             tx.send(data)
 
-    worker = Worker(rank, device, get_plugins().registry("kernels"), GlooExchange(rank, device), reply)
+    plugins = get_plugins()
+    exchange = plugins.registry("communicators").get(config["communicator"])(rank, device)
+    worker = Worker(rank, device, plugins.registry("kernels"), exchange, reply)
     reply(Reply(READY, rank, value=None))
     log.debug("worker ready")
     while True:
