@@ -231,6 +231,8 @@ def test_reply_round_trip(reply):
         2**63 - 1, -(2**63), 0.0, -0.0, 1.5, float("inf"), float("-inf"), float("nan"), 1e-310,
         complex(1, -2), complex(float("nan"), float("inf")), "", "x" * 31, "y" * 32, "é€𝄞", "lone \ud800 surrogate",
         b"", b"\x00" * 300, (), [], {}, (1,), (1, 2, 300, -5, 2**40), [None, [None, [None]]],
+        (2**31 - 1, -(2**31)), (2**31,), (2**63 - 1, -(2**63)), tuple(range(255)), tuple(range(256)),
+        (1, True), (True, 1), (1, 2.0), (1, "a"), (1, None), (1, (2,)), ("a",) * 300,
         {1: "a", "b": 2, -7: [1.5]}, tuple(range(1000)), list(range(16)), {i: i for i in range(16)},
         torch.Size([]), torch.Size([2, 3]), torch.Size(range(20)), slice(None), slice(1, None, -2), slice("a", 2.5, None),
         Ellipsis, Slot(3), (Slot(0), [Slot(1), (Slot(2),)]), ("a", 1), [("a", 1), ("a", 1), ("a", True), ("a", 1.0)],
@@ -519,6 +521,11 @@ def test_too_deep_to_encode():
     encode(v)  # 64 levels of containers
     with pytest.raises(WireError, match="deeper than 64"):
         encode([v])
+    w = torch.Size([1])
+    for _ in range(wire.MAX_DEPTH):
+        w = [w]
+    with pytest.raises(WireError, match="deeper than 64"):
+        encode(w)
     loop: list = []
     loop.append(loop)
     with pytest.raises(WireError, match="deeper"):
@@ -558,6 +565,13 @@ def test_kind_must_match_the_content():
     "body, fragments",
     [
         (b"\xd7", ["unknown type tag 0xd7", "offset 16"]),
+        (b"\xdc", ["unknown type tag 0xdc"]),
+        (b"\xdf\x00", ["unknown type tag 0xdf"]),
+        (b"\xda\x03\x01\x00\x00\x00", ["runs past the end of the body"]),
+        (b"\xdb\x01\x00", ["runs past the end of the body"]),
+        (b"\x91\xda\x02\x00", ["runs past the end of the body"]),
+        (b"\xf3\x05\x01\xda\x05\x00", ["runs past the end of the body"]),
+        (b"\xdd\x05\x01", ["tuple of 5 values runs past"]),
         (b"\x92\x01\xde", ["unknown type tag 0xde", "offset 18"]),
         (b"\xcf\xff\xff\xff\xff\x00", ["list of 4294967295 values runs past"]),
         (b"\xce\x00\x00\x00\x80", ["tuple of 2147483648 values"]),

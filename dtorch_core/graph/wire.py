@@ -19,7 +19,7 @@ Tag bytes::
 
     00-7f  int 0..127              c0 None   c1 False   c2 True   c3 Ellipsis
     80-8f  tuple of 0..15 values   c4/c5/c6/c7 int8/16/32/64     c8 float64   c9 complex128
-    90-9f  list of 0..15 values    ca str (u32 length)           cb/cc string ref (u8/u32 index)
+    90-9f  list of 0..15 values    ca str (u32 length)           cb/cc memo ref (u8/u32 index)
     a0-bf  str of 0..31 bytes      cd bytes (u32 length)         ce/cf/d0 tuple/list/dict (u32)
     e0-ef  dict of 0..15 entries   d1 torch.Size (a tuple follows)   d2 slice (3 values follow)
     f0-ff  object, class code 0-15 (u8 field count, fields follow); d9: class code u16 + u8 count
@@ -28,8 +28,9 @@ Tag bytes::
     da/db  tuple of int32/int64 (u8 count, then the ints)   dd memo tuple (u8 count, values)
     d7, dc, de, df reserved
 
-Tuples of ints (tensor ids) are packed arrays; a tuple of str/int/None that starts with a str
-(a ``(file, line)`` source) is memoised like a string: sent once per message, then referenced.
+Every string, and every tuple of str/int/None that starts with a str (a ``(file, line)``
+source), is a memo entry: sent once per message, then named by its index (a memo ref). Tuples
+of ints (tensor ids) are packed int32/int64 arrays.
 
 Class, dtype, layout and memory-format codes live in the tables below. Codes are never reused
 or renumbered: a new class or dtype takes the next free code. Changing the layout of anything
@@ -55,9 +56,11 @@ from ..errors import DTorchError
 from . import instructions as _ins
 
 __all__ = [
+    "HEADER_SIZE",
     "KIND_BATCH",
     "KIND_REPLY",
     "KIND_VALUE",
+    "MAGIC",
     "MAX_DEPTH",
     "VERSION",
     "WireError",
@@ -682,8 +685,9 @@ def _decode_body(body: bytes, blob: memoryview):
             fail(f"the body ends early (a value expected; the body has {end} bytes)", pos)
         fail(f"value (tag 0x{body[pos]:02x}) runs past the end of the body ({end} bytes)", pos)
 
-    # ``items`` and the object branch of ``dec`` read small ints, int16/32, references and None
-    # inline: one call per container instead of one per value keeps decoding near pickle's speed.
+    # ``items`` and the object branch of ``dec`` read small ints, int16/32, id tuples, references
+    # and None inline: one call per container instead of one per value keeps decoding near
+    # pickle's speed.
     def items(p, n, depth, what, pos):
         """``n`` values from ``p``, as a list."""
         if n > end - p:  # every value takes a byte at least: a larger count is a lie
@@ -714,9 +718,9 @@ def _decode_body(body: bytes, blob: memoryview):
                 add(unpack_i(body, p + 1)[0])
                 p += 5
             elif b == 0xDA:
-                n = body[p + 1]
-                add(_UNPACK_I32[n](body, p + 2))
-                p += 2 + 4 * n
+                k = body[p + 1]
+                add(_UNPACK_I32[k](body, p + 2))
+                p += 2 + 4 * k
             else:
                 v, p = dec(p, d1)
                 add(v)
@@ -779,9 +783,9 @@ def _decode_body(body: bytes, blob: memoryview):
                     add(None)
                     p += 1
                 elif b == 0xDA:  # tensor ids
-                    n = body[p + 1]
-                    add(_UNPACK_I32[n](body, p + 2))
-                    p += 2 + 4 * n
+                    k = body[p + 1]
+                    add(_UNPACK_I32[k](body, p + 2))
+                    p += 2 + 4 * k
                 elif b == 0xCB:
                     i = body[p + 1]
                     if i >= len(memo):
