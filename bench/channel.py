@@ -227,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import zmq  # noqa: F401
         except ImportError as exc:
-            notes.append(f"zmq-ipc skipped: pyzmq does not import ({exc}); python -m pip install pyzmq")
+            notes.append(
+                f"zmq-ipc skipped: pyzmq does not import ({exc}); python -m pip install pyzmq"
+            )
         else:
             sides.append(start_zmq_side(tmpdir))
         if native_available() and not args.no_spin0:
@@ -244,15 +246,18 @@ def main(argv: list[str] | None = None) -> int:
             count_msg = COUNT + bytes(size - 1)
             counts = {}
             for side in sides:  # warm up and size the rounds
-                counts[(side.label, "lat")] = calibrate(latency_round, side, echo_msg, args.target)
-                counts[(side.label, "thr")] = calibrate(throughput_round, side, count_msg, args.target)
+                lat_n = calibrate(latency_round, side, echo_msg, args.target)
+                thr_n = calibrate(throughput_round, side, count_msg, args.target)
+                counts[(side.label, "lat")] = lat_n
+                counts[(side.label, "thr")] = thr_n
             for _ in range(args.rounds):
                 for side in sides:
                     n = counts[(side.label, "lat")]
                     lat = latency_round(side, echo_msg, n)
                     n_thr = counts[(side.label, "thr")]
                     thr = throughput_round(side, count_msg, n_thr) / n_thr
-                    s = samples.setdefault(size_label, {}).setdefault(side.label, {"lat": [], "thr": []})
+                    per_size = samples.setdefault(size_label, {})
+                    s = per_size.setdefault(side.label, {"lat": [], "thr": []})
                     s["lat"].append(lat)
                     s["thr"].append(thr)
             for side in sides:
@@ -271,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError:
         load = float("nan")
     print(
-        f"local channel benchmark: {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, "
+        f"local channel benchmark: {os.cpu_count()} CPUs, "
+        f"{platform.system()} {platform.release()}, "
         f"python {platform.python_version()}, {args.rounds} rounds ({args.stat}), "
         f"load avg {load:.2f}"
     )

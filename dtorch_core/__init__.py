@@ -37,6 +37,7 @@ from .errors import (
     WorkerError,
     WorkerLostError,
 )
+from .graph.wire import WireError
 from .hookspecs import hookimpl
 from .mesh import DeviceMesh, init_device_mesh
 from .placement import Partial, Replicate, Shard
@@ -57,6 +58,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "WorkerError",
+    "WireError",
     "WorkerLostError",
     "arange",
     "distribute_tensor",

@@ -158,7 +158,9 @@ def test_many_messages_in_a_row_keep_order(backend):
     tx, rx = local_channel(backend=backend, capacity=SMALL_RING)
     with tx, rx:
         rng = random.Random(5)
-        msgs = [i.to_bytes(4, "little") + rng.randbytes(rng.randrange(0, 300)) for i in range(20000)]
+        msgs = [
+            i.to_bytes(4, "little") + rng.randbytes(rng.randrange(0, 300)) for i in range(20000)
+        ]
         t = send_in_thread(tx, msgs)
         for m in msgs:
             assert rx.recv(timeout=30) == m
@@ -199,7 +201,10 @@ def test_two_sender_threads_do_not_interleave(backend):
     tx, rx = local_channel(backend=backend, capacity=SMALL_RING)
     with tx, rx:
         per_thread = 2000
-        streams = {k: [bytes([k]) * (1 + i % 700) + i.to_bytes(4, "little") for i in range(per_thread)] for k in (1, 2)}
+        streams = {
+            k: [bytes([k]) * (1 + i % 700) + i.to_bytes(4, "little") for i in range(per_thread)]
+            for k in (1, 2)
+        }
         threads = [send_in_thread(tx, streams[k]) for k in (1, 2)]
         seen = {1: 0, 2: 0}
         for _ in range(2 * per_thread):

@@ -48,7 +48,7 @@ class Call:
     plan_id: int
     inputs: tuple
     outputs: tuple  # tensor ids of the flattened outputs (-1: not kept)
-    source: str | None = None
+    source: tuple | str | None = None  # (file, line) of the user's call
     seed: int | None = None
 
 
@@ -101,20 +101,20 @@ class Stats:
 
 
 @attrs.frozen
+class WorkerFailure:
+    """Why a tensor on a worker is not available: the failing op, its source line, the error."""
+
+    rank: int
+    op: str
+    source: tuple | str | None
+    message: str
+
+
+@attrs.frozen
 class Reply:
     """What a worker sends back: ``value`` or ``error`` (a WorkerFailure)."""
 
     request_id: int
     rank: int
     value: Any = None
-    error: Any = None
-
-
-@attrs.frozen
-class WorkerFailure:
-    """Why a tensor on a worker is not available: the failing op, its source line, the error."""
-
-    rank: int
-    op: str
-    source: str | None
-    message: str
+    error: WorkerFailure | None = None

@@ -110,13 +110,8 @@ _CLASS_TABLE = (
     (10, "WorkerFailure"),
 )
 
-# Field types checked on decode, from each class's annotations; ``Any`` and unknown names are
-# not checked. Overrides where the annotation is narrower than what dispatch really sends.
-_FIELD_TYPE_OVERRIDES = {
-    ("Call", "source"): "str | tuple | None",  # dispatch sends (file, line)
-    ("WorkerFailure", "source"): "str | tuple | None",
-    ("Reply", "error"): "WorkerFailure | None",
-}
+# Field types checked on decode come from each class's annotations; ``Any`` and unknown names
+# are not checked.
 
 _DTYPE_TABLE = (
     (1, "bool"),
@@ -207,7 +202,7 @@ _TENSOR_DTYPES = {
 
 def _parse_annotation(cls, name: str, annotation) -> frozenset | None:
     """Allowed exact types of a field, or None when it is not checked."""
-    text = _FIELD_TYPE_OVERRIDES.get((cls.__name__, name), annotation)
+    text = annotation
     if not isinstance(text, str):
         text = getattr(text, "__name__", "Any")
     names = {

@@ -156,7 +156,8 @@ class ChannelSpec:
             from multiprocessing import context, reduction
 
             if context.get_spawning_popen() is not None:
-                return (_rebuild_inherited_spec, (self.role, reduction.DupFd(self.fd), self.capacity))
+                dup = reduction.DupFd(self.fd)
+                return (_rebuild_inherited_spec, (self.role, dup, self.capacity))
         return (ChannelSpec, (self.backend, self.role, self.name, self.fd, self.capacity))
 
 
@@ -212,7 +213,9 @@ def _resolve(backend: str | None) -> str:
     elif backend not in BACKENDS:
         backend = _ENV_ALIASES.get(backend, backend)
         if backend not in BACKENDS:
-            raise ChannelBackendError(f"unknown channel backend {backend!r}; choose one of {BACKENDS}")
+            raise ChannelBackendError(
+                f"unknown channel backend {backend!r}; choose one of {BACKENDS}"
+            )
     if backend is None:
         return BACKEND_NATIVE if native_available() else BACKEND_PIPE
     if backend == BACKEND_NATIVE and not native_available():
@@ -242,7 +245,9 @@ def spin_us() -> float:
     try:
         return max(0.0, float(raw))
     except ValueError:
-        raise ChannelBackendError(f"{ENV_SPIN_US}={raw!r} is not a number of microseconds") from None
+        raise ChannelBackendError(
+            f"{ENV_SPIN_US}={raw!r} is not a number of microseconds"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +287,8 @@ def open_channel(spec: ChannelSpec) -> Channel:
         if shm is None:
             raise ChannelBackendError(
                 "this channel was made with the native shared-memory backend, but "
-                f"dtorch_core._native does not import in this process ({native_unavailable_reason()})"
+                "dtorch_core._native does not import in this process "
+                f"({native_unavailable_reason()})"
             )
         return shm.ShmChannel.open(spec.name, spec.role, spin_us=spin_us())
     if spec.backend == BACKEND_PIPE:
