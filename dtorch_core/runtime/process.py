@@ -10,6 +10,7 @@ controller, so none outlives it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,23 @@ log = structlog.get_logger(__name__)
 READY = -1  # request id of the hello every worker sends once it is up
 PROTOCOL = 0  # request id of a worker's report that it rejected a frame
 SHUTDOWN = b""  # an empty frame asks a worker to exit
+
+
+@contextlib.contextmanager
+def _environ(**values):
+    """Set environment variables (None: leave alone) for the duration of the block."""
+    saved = {k: os.environ.get(k) for k, v in values.items() if v is not None}
+    try:
+        for k, v in values.items():
+            if v is not None:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def free_port() -> int:
@@ -90,9 +108,14 @@ class ProcessRunner(Runner):
         paths = [pkg_root] + [p for p in sys.path if p and os.path.isdir(p)]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env["OMP_NUM_THREADS"] = str(threads)
+        if (os.cpu_count() or 1) <= world_size and "DTORCH_CHANNEL_SPIN_US" not in os.environ:
+            # more busy processes than cores: a waiting channel end that spins takes the core
+            # the controller or a peer needs, so every end sleeps at once
+            env["DTORCH_CHANNEL_SPIN_US"] = "0"
         for rank in range(world_size):
-            down, down_spec = create_channel("send")
-            up, up_spec = create_channel("recv")
+            with _environ(DTORCH_CHANNEL_SPIN_US=env.get("DTORCH_CHANNEL_SPIN_US")):
+                down, down_spec = create_channel("send")
+                up, up_spec = create_channel("recv")
             config = {
                 "rank": rank,
                 "world_size": world_size,
