@@ -6,8 +6,10 @@
 // Layout of the shared object (one page of header, then the ring):
 //
 //   page 0   Header: magic, layout version, capacity, then one cache line per side:
-//              writer line: write position, "data" futex word, waiting flag, closed flag, pid
-//              reader line: read position,  "space" futex word, waiting flag, closed flag, pid
+//              writer line: write position, wake position, "data" futex word, waiting flag,
+//                           closed flag, pid
+//              reader line: read position, wake position, "space" futex word, waiting flag,
+//                           closed flag, pid
 //   page 1.. ring of `capacity` bytes (a power of two)
 //
 // Positions are monotonic 64-bit byte counts (index = pos & (capacity - 1)), so "full" and
@@ -20,9 +22,12 @@
 // into the result bytes object), so messages of any size pass through a small ring.
 //
 // Waiting: a short adaptive spin (at most 50 us by default; less while spinning does not pay),
-// then the waiter raises its waiting flag and sleeps on the other side's futex word (FUTEX_WAIT on
-// the shared mapping); the other side bumps that word and calls FUTEX_WAKE only when the flag is
-// up, so an uncontended send or receive makes no system call. Sleeps are cut into 50 ms slices;
+// then the waiter publishes the other side's position it needs (wake position), raises its
+// waiting flag and sleeps on the other side's futex word (FUTEX_WAIT on the shared mapping). The
+// other side bumps that word and calls FUTEX_WAKE only when the flag is up and its position has
+// reached the wake position, so an uncontended send or receive makes no system call. A writer that
+// finds the ring full waits for a quarter of it to drain, so a producer ahead of its consumer
+// sleeps once per quarter ring instead of once per message. Sleeps are cut into 50 ms slices;
 // between slices the waiter checks the peer's closed flag, whether the peer process is still alive
 // (pidfd, or /proc as a fallback) and Python signals, so a reader never waits forever for a writer
 // that is gone. The GIL is released while waiting and while copying large messages.
@@ -67,7 +72,7 @@ using namespace nb::literals;
 namespace {
 
 constexpr uint32_t kMagic = 0x48435444u;  // "DTCH"
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;
 constexpr uint64_t kHeaderBytes = 4096;
 constexpr uint64_t kFrameHeader = 8;
 constexpr uint64_t kMinCapacity = 4096;
@@ -85,11 +90,12 @@ static_assert(std::atomic<uint64_t>::is_always_lock_free, "positions must be loc
 static_assert(sizeof(std::atomic<uint32_t>) == 4, "futex words must be 4 bytes");
 
 struct alignas(64) Side {
-  std::atomic<uint64_t> pos;      // writer: bytes published; reader: bytes consumed
-  std::atomic<uint32_t> seq;      // futex word bumped by this side when the other side waits
-  std::atomic<uint32_t> waiting;  // 1 while this side sleeps (or is about to) on the other's seq
-  std::atomic<uint32_t> closed;   // 1 once this side called close()
-  std::atomic<int32_t> pid;       // process holding this side (0: not opened yet)
+  std::atomic<uint64_t> pos;       // writer: bytes published; reader: bytes consumed
+  std::atomic<uint64_t> wake_pos;  // while waiting: wake me once the other side's pos >= this
+  std::atomic<uint32_t> seq;       // futex word bumped by this side when the other side waits
+  std::atomic<uint32_t> waiting;   // 1 while this side sleeps (or is about to) on the other's seq
+  std::atomic<uint32_t> closed;    // 1 once this side called close()
+  std::atomic<int32_t> pid;        // process holding this side (0: not opened yet)
 };
 
 struct Header {
@@ -263,8 +269,7 @@ class ShmChannel {
       nb::gil_scoped_release release;
       if (!lk.owns_lock()) lk.lock();
       ensure_open_locked();
-      wait_for([&] { return available(kFrameHeader) >= kFrameHeader; }, deadline, true, timeout,
-               "a message");
+      wait_for(kFrameHeader, deadline, true, timeout, "a message");
       n = read_length();
     }
     return take_body(n);
@@ -472,12 +477,15 @@ class ShmChannel {
     if (n > first) std::memcpy(dst + first, data_, n - first);
   }
 
-  // Publish my position and wake the peer if (and only if) it sleeps.
+  // Publish my position and wake the peer if (and only if) it sleeps and my position reached
+  // the one it waits for.
   void publish() {
     Side& me = self();
+    Side& other = peer();
     me.pos.store(my_pos_, std::memory_order_release);
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (peer().waiting.load(std::memory_order_relaxed)) {
+    if (other.waiting.load(std::memory_order_acquire) &&
+        my_pos_ >= other.wake_pos.load(std::memory_order_relaxed)) {
       me.seq.fetch_add(1, std::memory_order_release);
       futex_wake_all(&me.seq);
     }
@@ -547,13 +555,17 @@ class ShmChannel {
                       " process " + std::to_string(pid) + " exited while waiting for " + what);
   }
 
-  // Wait until ready() holds. `deadline` < 0 waits forever. `interruptible` (only before any
-  // byte of a message moved) allows the timeout and Python signal handlers to end the wait.
-  // Closed or dead peers always end it. Call with the mutex held and the GIL released.
-  template <class Ready>
-  void wait_for(Ready ready, int64_t deadline, bool interruptible,
+  // Wait until `need` bytes can be written (writer) or read (reader). `deadline` < 0 waits
+  // forever. `interruptible` (only before any byte of a message moved) allows the timeout and
+  // Python signal handlers to end the wait. Closed or dead peers always end it. Call with the
+  // mutex held and the GIL released.
+  void wait_for(uint64_t need, int64_t deadline, bool interruptible,
                 const std::optional<double>& timeout, const char* what) {
+    auto ready = [&] { return (writer_ ? free_space(need) : available(need)) >= need; };
     if (ready()) return;
+    // The other side's position at which `need` is met: it wakes us only once it gets there.
+    const uint64_t wake_pos = writer_ ? (my_pos_ + need > cap_ ? my_pos_ + need - cap_ : 0)
+                                      : my_pos_ + need;
     // Adaptive spin: the budget doubles (up to the maximum) when spinning caught the peer and
     // halves when it did not, so a ping-pong with a free core costs no system call while a
     // waiter whose peer is slow, idle or short of CPU (spinning would steal it) soon just
@@ -582,7 +594,8 @@ class ShmChannel {
     int64_t next_check = now_ns();
     for (;;) {
       const uint32_t seq = other.seq.load(std::memory_order_acquire);
-      me.waiting.store(1, std::memory_order_relaxed);
+      me.wake_pos.store(wake_pos, std::memory_order_relaxed);
+      me.waiting.store(1, std::memory_order_release);
       std::atomic_thread_fence(std::memory_order_seq_cst);
       if (ready()) return;
       ensure_open_locked();
@@ -616,17 +629,17 @@ class ShmChannel {
   void send_slow(const uint8_t* src, uint64_t n, int64_t deadline,
                  const std::optional<double>& timeout) {
     const uint64_t total = kFrameHeader + n;
+    const uint64_t piece = cap_ / 4;
     if (total <= cap_) {
-      wait_for([&] { return free_space(total) >= total; }, deadline, true, timeout, "room");
+      // The ring is full: wait for a quarter of it (or the frame, if larger) to drain, so a
+      // writer ahead of its reader sleeps once per quarter ring instead of once per message.
+      wait_for(std::max(total, piece), deadline, true, timeout, "room");
       write_frame(src, n);
       return;
     }
     // Stream: the caller's timeout covers the wait for room to begin; once the header is in,
     // the message is committed and finishes as fast as the reader drains it.
-    const uint64_t piece = cap_ / 4;
-    const uint64_t first_need = kFrameHeader + piece;
-    wait_for([&] { return free_space(first_need) >= first_need; }, deadline, true, timeout,
-             "room");
+    wait_for(kFrameHeader + piece, deadline, true, timeout, "room");
     uint8_t header[kFrameHeader];
     for (int i = 0; i < 8; ++i) header[i] = uint8_t(n >> (8 * i));
     copy_in(my_pos_, header, kFrameHeader);
@@ -639,8 +652,7 @@ class ShmChannel {
       done += k;
       publish();
       if (done == n) return;
-      const uint64_t want = std::min(piece, n - done);
-      wait_for([&] { return free_space(want) >= want; }, -1, false, timeout, "room");
+      wait_for(std::min(piece, n - done), -1, false, timeout, "room");
     }
   }
 
@@ -667,8 +679,7 @@ class ShmChannel {
     nb::gil_scoped_release release;
     if (kFrameHeader + n <= cap_) {
       // Whole frames are published at once; this wait only matters for a racing publish.
-      wait_for([&] { return available(kFrameHeader + n) >= kFrameHeader + n; }, -1, false,
-               no_timeout, "the rest of a message");
+      wait_for(kFrameHeader + n, -1, false, no_timeout, "the rest of a message");
       copy_out(my_pos_ + kFrameHeader, dst, n);
       my_pos_ += kFrameHeader + n;
       publish();
@@ -676,8 +687,7 @@ class ShmChannel {
       my_pos_ += kFrameHeader;
       uint64_t done = 0;
       while (done < n) {
-        wait_for([&] { return available(1) >= 1; }, -1, false, no_timeout,
-                 "the rest of a message");
+        wait_for(1, -1, false, no_timeout, "the rest of a message");
         uint64_t k = std::min(available(1), n - done);
         copy_out(my_pos_, dst + done, k);
         my_pos_ += k;

@@ -108,10 +108,13 @@ class ProcessRunner(Runner):
         paths = [pkg_root] + [p for p in sys.path if p and os.path.isdir(p)]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env["OMP_NUM_THREADS"] = str(threads)
-        if (os.cpu_count() or 1) <= world_size and "DTORCH_CHANNEL_SPIN_US" not in os.environ:
+        oversubscribed = (os.cpu_count() or 1) <= world_size
+        if oversubscribed and "DTORCH_CHANNEL_SPIN_US" not in os.environ:
             # more busy processes than cores: a waiting channel end that spins takes the core
             # the controller or a peer needs, so every end sleeps at once
             env["DTORCH_CHANNEL_SPIN_US"] = "0"
+        # the controller is the critical path: when cores are short, workers yield to it
+        nice = int(os.environ.get("DTORCH_WORKER_NICE", 10 if oversubscribed else 0))
         for rank in range(world_size):
             with _environ(DTORCH_CHANNEL_SPIN_US=env.get("DTORCH_CHANNEL_SPIN_US")):
                 down, down_spec = create_channel("send")
@@ -125,6 +128,7 @@ class ProcessRunner(Runner):
                 "timeout": timeout,
                 "threads": threads,
                 "communicator": communicator,
+                "nice": nice,
                 "backend": dist_backend,
                 "recv": down_spec.encode(),
                 "send": up_spec.encode(),

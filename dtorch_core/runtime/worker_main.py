@@ -27,6 +27,8 @@ def _watch_parent(parent_pid: int) -> None:
 def main(argv=None) -> int:
     config = json.loads((argv or sys.argv)[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the controller, which stops us
+    if config.get("nice"):
+        os.nice(int(config["nice"]))
     threading.Thread(target=_watch_parent, args=(config["parent_pid"],), daemon=True).start()
 
     import structlog
