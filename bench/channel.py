@@ -1,6 +1,6 @@
 """Local channel benchmark: native shared-memory ring vs pipe fallback vs a ZMQ ipc socket.
 
-    python bench/channel.py [--rounds 3] [--stat min|median] [--target 0.15] [--json out.json]
+    python bench/channel.py [--rounds 5] [--stat min|median] [--target 0.1] [--json out.json]
 
 For 64 B, 4 KiB and 1 MiB messages, between this process and one child process per side:
   round-trip latency   send a message, the child sends the same bytes back; wall time per trip
@@ -112,17 +112,9 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def start_channel_side(label: str, backend: str, spin_us: str | None) -> Side:
     from dtorch_core.transport import channel_pair
 
+    # this process's ends take spin_us directly; the child's ends read it from the environment
     extra = {"DTORCH_CHANNEL_SPIN_US": spin_us} if spin_us is not None else {}
-    saved = os.environ.get("DTORCH_CHANNEL_SPIN_US")
-    os.environ.update(extra)  # this process's end reads it when created
-    try:
-        pair = channel_pair(backend=backend)
-    finally:
-        if spin_us is not None:
-            if saved is None:
-                os.environ.pop("DTORCH_CHANNEL_SPIN_US", None)
-            else:
-                os.environ["DTORCH_CHANNEL_SPIN_US"] = saved
+    pair = channel_pair(backend=backend, spin_us=None if spin_us is None else float(spin_us))
     proc = subprocess.Popen(
         [sys.executable, __file__, "--child", "channel", pair.spec.encode()],
         pass_fds=pair.spec.pass_fds,
@@ -196,9 +188,9 @@ def fmt_throughput(bytes_per_s: float, msgs_per_s: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--stat", choices=sorted(STATS), default="min")
-    parser.add_argument("--target", type=float, default=0.15, help="seconds per timed round")
+    parser.add_argument("--target", type=float, default=0.1, help="seconds per timed round")
     parser.add_argument("--no-spin0", action="store_true", help="leave out the spin-0 diagnostic")
     parser.add_argument("--json", help="also write every sample and the summary here")
     parser.add_argument("--child", nargs=2, metavar=("KIND", "ARG"), help=argparse.SUPPRESS)

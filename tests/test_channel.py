@@ -384,6 +384,44 @@ def test_native_name_is_unlinked_once_both_ends_opened():
     assert not os.path.exists("/dev/shm" + spec.name)
 
 
+def test_native_futex_path_without_spinning():
+    # spin_us=0: every wait sleeps on the futex, so a lost wake-up would show as a stall of one
+    # 50 ms liveness slice (the waiter would still recover, only slowly).
+    if not native_available():
+        pytest.skip("native extension dtorch_core._native is not built")
+    ping_tx, ping_rx = local_channel(backend=BACKEND_NATIVE, spin_us=0)
+    pong_tx, pong_rx = local_channel(backend=BACKEND_NATIVE, spin_us=0, capacity=SMALL_RING)
+
+    def echo():
+        try:
+            while True:
+                pong_tx.send(ping_rx.recv(timeout=30))
+        except ChannelClosedError:
+            pass
+
+    t = threading.Thread(target=echo, daemon=True)
+    t.start()
+    slow = 0
+    for i in range(2000):
+        t0 = time.monotonic()
+        ping_tx.send(i.to_bytes(4, "little"))
+        assert pong_rx.recv(timeout=30) == i.to_bytes(4, "little")
+        slow += time.monotonic() - t0 > 0.04
+    # a full ring: the writer sleeps until a quarter drains, the reader until data comes
+    msgs = [payload(rng_size, seed=rng_size) for rng_size in range(0, 3000, 3)]
+    sender = send_in_thread(ping_tx, msgs)
+    t0 = time.monotonic()
+    for m in msgs:
+        assert pong_rx.recv(timeout=30) == m
+    join(sender)
+    ping_tx.close()
+    t.join(10)
+    for c in (ping_rx, pong_tx, pong_rx):
+        c.close()
+    assert slow <= 5, f"{slow} of 2000 round trips took > 40 ms (lost wake-ups?)"
+    assert time.monotonic() - t0 < 10
+
+
 # ---------------------------------------------------------------------------------------------
 # a child process on the other end
 # ---------------------------------------------------------------------------------------------

@@ -237,7 +237,7 @@ def active_backend() -> str:
     return _resolve(None)
 
 
-def spin_us() -> float:
+def _spin_us() -> float:
     """Spin time before sleeping, from ``DTORCH_CHANNEL_SPIN_US`` (default 50 us)."""
     raw = os.environ.get(ENV_SPIN_US)
     if not raw:
@@ -258,12 +258,18 @@ def _shm_name() -> str:
 
 
 def create_channel(
-    role: Role, *, backend: str | None = None, capacity: int = DEFAULT_CAPACITY
+    role: Role,
+    *,
+    backend: str | None = None,
+    capacity: int = DEFAULT_CAPACITY,
+    spin_us: float | None = None,
 ) -> tuple[Channel, ChannelSpec]:
     """Make a channel; returns this process's end (``role``) and the spec of the other end.
 
     Keep the returned end open until the other process has opened its end, and call
-    :meth:`Channel.child_started` once that process runs.
+    :meth:`Channel.child_started` once that process runs. ``spin_us`` caps how long this end
+    spins before sleeping (native backend; default ``DTORCH_CHANNEL_SPIN_US`` or 50 us, 0 never
+    spins); the child's end reads ``DTORCH_CHANNEL_SPIN_US`` in the child.
     """
     if role not in ("send", "recv"):
         raise ValueError(f"role must be 'send' or 'recv', not {role!r}")
@@ -272,7 +278,8 @@ def create_channel(
     if chosen == BACKEND_NATIVE:
         shm = _native_backend()[0]
         name = _shm_name()
-        end = shm.ShmChannel.create(name, role, capacity=capacity, spin_us=spin_us())
+        spin = _spin_us() if spin_us is None else max(0.0, float(spin_us))
+        end = shm.ShmChannel.create(name, role, capacity=capacity, spin_us=spin)
         return end, ChannelSpec(BACKEND_NATIVE, other, name=name, capacity=end.capacity)
     from . import pipe
 
@@ -290,7 +297,7 @@ def open_channel(spec: ChannelSpec) -> Channel:
                 "dtorch_core._native does not import in this process "
                 f"({native_unavailable_reason()})"
             )
-        return shm.ShmChannel.open(spec.name, spec.role, spin_us=spin_us())
+        return shm.ShmChannel.open(spec.name, spec.role, spin_us=_spin_us())
     if spec.backend == BACKEND_PIPE:
         from . import pipe
 
@@ -299,10 +306,10 @@ def open_channel(spec: ChannelSpec) -> Channel:
 
 
 def local_channel(
-    *, backend: str | None = None, capacity: int = DEFAULT_CAPACITY
+    *, backend: str | None = None, capacity: int = DEFAULT_CAPACITY, spin_us: float | None = None
 ) -> tuple[Channel, Channel]:
     """Both ends of one channel in this process: ``(sender, receiver)`` (tests, threads)."""
-    sender, spec = create_channel("send", backend=backend, capacity=capacity)
+    sender, spec = create_channel("send", backend=backend, capacity=capacity, spin_us=spin_us)
     receiver = open_channel(spec)
     detach = getattr(sender, "_disown_child_end", None)
     if detach is not None:
@@ -360,17 +367,19 @@ class ChannelPair:
         self.close()
 
 
-def channel_pair(*, backend: str | None = None, capacity: int = DEFAULT_CAPACITY) -> ChannelPair:
+def channel_pair(
+    *, backend: str | None = None, capacity: int = DEFAULT_CAPACITY, spin_us: float | None = None
+) -> ChannelPair:
     """Make the controller's side of a controller <-> worker pair of channels.
 
     Start the child with ``pair.spec`` (``pass_fds=pair.spec.pass_fds`` and ``pair.spec.encode()``
     for ``subprocess``; or the spec itself as a ``multiprocessing`` spawn argument), then call
-    ``pair.child_started(proc.pid)``.
+    ``pair.child_started(proc.pid)``. ``spin_us`` as in :func:`create_channel`.
     """
     chosen = _resolve(backend)
-    tx, to_child = create_channel("send", backend=chosen, capacity=capacity)
+    tx, to_child = create_channel("send", backend=chosen, capacity=capacity, spin_us=spin_us)
     try:
-        rx, to_parent = create_channel("recv", backend=chosen, capacity=capacity)
+        rx, to_parent = create_channel("recv", backend=chosen, capacity=capacity, spin_us=spin_us)
     except BaseException:
         tx.close()
         raise
