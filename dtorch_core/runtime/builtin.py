@@ -50,10 +50,10 @@ def dtorch_register_streams(registry) -> None:
     registry.add("cpu", CpuStream)
 
 
-def _local_channel(role: str):
+def _local_channel(role: str, **options):
     from ..transport.channel import create_channel
 
-    return create_channel(role)
+    return create_channel(role, **options)
 
 
 @hookimpl

@@ -10,7 +10,6 @@ controller, so none outlives it.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import os
 import signal
@@ -34,23 +33,6 @@ log = structlog.get_logger(__name__)
 READY = -1  # request id of the hello every worker sends once it is up
 PROTOCOL = 0  # request id of a worker's report that it rejected a frame
 SHUTDOWN = b""  # an empty frame asks a worker to exit
-
-
-@contextlib.contextmanager
-def _environ(**values):
-    """Set environment variables (None: leave alone) for the duration of the block."""
-    saved = {k: os.environ.get(k) for k, v in values.items() if v is not None}
-    try:
-        for k, v in values.items():
-            if v is not None:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def free_port() -> int:
@@ -115,10 +97,10 @@ class ProcessRunner(Runner):
             env["DTORCH_CHANNEL_SPIN_US"] = "0"
         # the controller is the critical path: when cores are short, workers yield to it
         nice = int(os.environ.get("DTORCH_WORKER_NICE", 10 if oversubscribed else 0))
+        spin = {"spin_us": 0.0} if env.get("DTORCH_CHANNEL_SPIN_US") == "0" else {}
         for rank in range(world_size):
-            with _environ(DTORCH_CHANNEL_SPIN_US=env.get("DTORCH_CHANNEL_SPIN_US")):
-                down, down_spec = create_channel("send")
-                up, up_spec = create_channel("recv")
+            down, down_spec = create_channel("send", **spin)
+            up, up_spec = create_channel("recv", **spin)
             config = {
                 "rank": rank,
                 "world_size": world_size,
