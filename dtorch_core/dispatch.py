@@ -18,7 +18,7 @@ import structlog
 import torch
 
 from .errors import FallbackRefusedError, MeshMismatchError, OpError
-from .graph.instructions import Call, Collective, DefinePlan, Slot
+from .graph.instructions import Call, Collective, DefinePlan, Slot, fill_slots
 from .mesh import DeviceMesh, root_coordinate
 from .ops.registry import LocalCall, OpCall, Rule, Strategy
 from .placement import Partial, Replicate, Shard
@@ -539,8 +539,8 @@ def _localize_all(func, rule, mesh, in_specs, out_specs, t_args, t_kwargs, trust
 
 def _check_local(func, a, kw, in_specs, local_in, expected) -> bool:
     metas = [torch.empty(shape, dtype=s.dtype, device="meta") for shape, s in zip(local_in, in_specs)]
-    args = _fill_slots(a, metas)
-    kwargs = {k: _fill_slots(v, metas) for k, v in kw.items()}
+    args = fill_slots(a, metas)
+    kwargs = {k: fill_slots(v, metas) for k, v in kw.items()}
     if "device" in kwargs:
         kwargs["device"] = "meta"
     try:
@@ -556,14 +556,6 @@ def _check_local(func, a, kw, in_specs, local_in, expected) -> bool:
         if o is not None and tuple(o.shape) != e:
             return False
     return True
-
-
-def _fill_slots(x, values):
-    if type(x) is Slot:
-        return values[x.index]
-    if type(x) is tuple or type(x) is list:
-        return type(x)(_fill_slots(a, values) for a in x)
-    return x
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,15 @@ class Slot:
     index: int
 
 
+def fill_slots(x, values):
+    """``x`` with every ``Slot(i)`` (inside tuples and lists too) replaced by ``values[i]``."""
+    if type(x) is Slot:
+        return values[x.index]
+    if type(x) is tuple or type(x) is list:
+        return type(x)(fill_slots(a, values) for a in x)
+    return x
+
+
 @attrs.frozen
 class DefineMesh:
     mesh_id: int

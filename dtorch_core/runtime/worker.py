@@ -28,6 +28,7 @@ from ..graph.instructions import (
     Slot,
     Stats,
     WorkerFailure,
+    fill_slots,
 )
 from ..mesh import DeviceMesh, root_coordinate
 
@@ -53,14 +54,6 @@ class LocalPlan:
 
 def _binder(args, kwargs):
     """A function vals -> (args, kwargs) with Slots replaced; fast for flat argument lists."""
-
-    def fill(x, vals):
-        if type(x) is Slot:
-            return vals[x.index]
-        if type(x) is tuple or type(x) is list:
-            return type(x)(fill(a, vals) for a in x)
-        return x
-
     nested = any(type(a) in (tuple, list) and _has_slot(a) for a in args) or any(
         _has_slot(v) for v in kwargs.values()
     )
@@ -75,7 +68,7 @@ def _binder(args, kwargs):
             return a, dict(kwargs) if kwargs else {}
 
         return bind
-    return lambda vals: (fill(args, vals), {k: fill(v, vals) for k, v in kwargs.items()})
+    return lambda vals: (fill_slots(args, vals), {k: fill_slots(v, vals) for k, v in kwargs.items()})
 
 
 def _has_slot(x) -> bool:
