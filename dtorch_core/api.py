@@ -144,19 +144,17 @@ def from_local(local, device_mesh: DeviceMesh, placements, *, shape=None) -> DTe
     first = shards[root.ranks[0]]
     full = root_placements(device_mesh, placements, first.ndim)
     if shape is None:
+        # along a sharded dim the global size is the sum of the shards that tile it: the ranks at
+        # coordinate 0 of every mesh dim that does not shard that dim
         shape = list(first.shape)
-        for m, p in enumerate(full):
-            if isinstance(p, Shard):
-                # sum the local sizes along the mesh dim, at coordinate 0 of the other dims
-                total = 0
-                for k in range(root.shape[m]):
-                    coord = [0] * root.ndim
-                    coord[m] = k
-                    rank = root.ranks[_flat(root.shape, coord)]
-                    total += shards[rank].shape[p.dim]
-                shape[p.dim] = total if not any(
-                    isinstance(q, Shard) and q.dim == p.dim for q in full[:m]
-                ) else shape[p.dim] * root.shape[m]
+        for d in range(first.ndim):
+            sharding = {m for m, p in enumerate(full) if isinstance(p, Shard) and p.dim == d}
+            if sharding:
+                shape[d] = sum(
+                    shards[r].shape[d]
+                    for r in root.ranks
+                    if all(c == 0 for m, c in enumerate(_coord(root, r)) if m not in sharding)
+                )
     shape = tuple(shape)
     spec = TensorSpec(root, full, shape, contiguous_stride(shape), first.dtype)
     for rank in root.ranks:
@@ -168,13 +166,6 @@ def from_local(local, device_mesh: DeviceMesh, placements, *, shape=None) -> DTe
             )
     tid = session.put(shards, root)
     return DTensor._make(spec, device_mesh, tid, session)
-
-
-def _flat(shape, coord):
-    idx = 0
-    for n, c in zip(shape, coord):
-        idx = idx * n + c
-    return idx
 
 
 _FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "arange")
