@@ -9,8 +9,7 @@ import torch
 
 import dtorch_core as dt
 
-from .helpers import assert_close, distribute
-from .test_ops_nn import check, on_mesh
+from .helpers import assert_close, check, distribute, on_mesh
 
 R, P = dt.Replicate(), dt.Partial("sum")
 S0, S1, S2 = dt.Shard(0), dt.Shard(1), dt.Shard(2)

@@ -10,8 +10,7 @@ import torch.nn as nn
 
 import dtorch_core as dt
 
-from .helpers import assert_close, distribute
-from .test_ops_nn import on_mesh
+from .helpers import assert_close, distribute, on_mesh
 
 R, P = dt.Replicate(), dt.Partial("sum")
 S0, S1 = dt.Shard(0), dt.Shard(1)

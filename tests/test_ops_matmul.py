@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import dtorch_core as dt
-from tests.test_ops_pointwise import P, R, S, check_op, sample_placements
+
+from .helpers import P, R, S, check_op, sample_placements
 
 # uneven on 4 ranks: b 3 -> 1,1,1,0; m 10 -> 3,3,3,1; k 7 -> 2,2,2,1; n 5 -> 2,2,1,0
 B, M, K, N = 3, 10, 7, 5

@@ -13,56 +13,16 @@ import torch.nn.functional as F
 
 import dtorch_core as dt
 
-from .helpers import assert_close, distribute
+from .helpers import assert_close, check, distribute, on_mesh
 
 R, P = dt.Replicate(), dt.Partial("sum")
 S0, S1, S2, S3 = dt.Shard(0), dt.Shard(1), dt.Shard(2), dt.Shard(3)
-
-
-def on_mesh(mesh, spec):
-    """Placements for ``mesh`` from a 2-D spec: the 1-D mesh takes its first non-Replicate entry."""
-    if mesh.ndim == 2:
-        return list(spec)
-    return [next((p for p in spec if p != R), R)]
 
 
 @pytest.fixture(autouse=True)
 def strict(runner):
     """Every op in this file has a native rule: a replicated fallback raises."""
     dt.set_strict(True)
-
-
-def _flat(out):
-    return list(out) if isinstance(out, (tuple, list)) else [out]
-
-
-def check(mesh, fn, tensors, specs, *, grad=(), atol=1e-5, rtol=1e-5, native=True):
-    """Run ``fn`` on distributed copies of ``tensors`` (placements from ``specs``) and on the
-    tensors themselves; compare every output and, for inputs in ``grad``, the gradients of a
-    random weighting of the outputs. Returns the distributed outputs."""
-    dts = [
-        distribute(t, mesh, on_mesh(mesh, s), requires_grad=i in grad) if s is not None else t
-        for i, (t, s) in enumerate(zip(tensors, specs))
-    ]
-    refs = [t.detach().clone().requires_grad_(i in grad) for i, t in enumerate(tensors)]
-    out, ref = _flat(fn(*dts)), _flat(fn(*refs))
-    assert len(out) == len(ref)
-    for k, (o, r) in enumerate(zip(out, ref)):
-        assert isinstance(o, dt.DTensor), f"output {k} is {type(o).__name__}"
-        assert o.shape == r.shape and o.dtype == r.dtype
-        assert_close(o.full_tensor(), r, atol=atol, rtol=rtol, msg=f"output {k}")
-    if grad:
-        gen = torch.Generator().manual_seed(7)
-        pairs = [(o, r) for o, r in zip(out, ref) if r.requires_grad]
-        weights = [torch.randn(r.shape, generator=gen) for _, r in pairs]
-        sum((o.full_tensor() * w).sum() for (o, _), w in zip(pairs, weights)).backward()
-        sum((r * w).sum() for (_, r), w in zip(pairs, weights)).backward()
-        for i in grad:
-            assert dts[i].grad is not None, f"input {i} got no gradient"
-            assert_close(dts[i].grad.full_tensor(), refs[i].grad, atol=atol, rtol=rtol, msg=f"grad of input {i}")
-    if native:
-        assert dt.fallback_counts() == {}
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import dtorch_core as dt
-from tests.test_ops_pointwise import P, S, check_op
+
+from .helpers import P, S, check_op
 
 INF = math.inf
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import dtorch_core as dt
-from tests.helpers import assert_close
-from tests.test_ops_pointwise import P, R, S, check_op, sample_placements
+
+from .helpers import P, R, S, assert_close, check_op, sample_placements
 
 X = (10, 7, 3)  # on 4 ranks: 3,3,3,1 / 2,2,2,1 / 1,1,1,0
 

@@ -15,18 +15,11 @@ import torch.nn.functional as F
 
 import dtorch_core as dt
 
-from .helpers import assert_close, distribute
+from .helpers import assert_close, distribute, on_mesh
 
 R, P = dt.Replicate(), dt.Partial("sum")
 S0, S1, S2 = dt.Shard(0), dt.Shard(1), dt.Shard(2)
 SHAPE = (10, 7, 3)  # uneven on 4 ranks (3, 3, 3, 1 / 2, 2, 2, 1 / 1, 1, 1, 0)
-
-
-def on_mesh(mesh, spec):
-    """Placements for ``mesh`` from a 2-D spec: the 1-D mesh takes its first non-Replicate entry."""
-    if mesh.ndim == 2:
-        return list(spec)
-    return [next((p for p in spec if p != R), R)]
 
 
 @pytest.fixture(autouse=True)
