@@ -96,7 +96,7 @@ class ProcessRunner(Runner):
             # the controller or a peer needs, so every end sleeps at once
             env["DTORCH_CHANNEL_SPIN_US"] = "0"
         # the controller is the critical path: when cores are short, workers yield to it
-        nice = int(os.environ.get("DTORCH_WORKER_NICE", 10 if oversubscribed else 0))
+        nice = int(os.environ.get("DTORCH_WORKER_NICE", 19 if oversubscribed else 0))
         spin = {"spin_us": 0.0} if env.get("DTORCH_CHANNEL_SPIN_US") == "0" else {}
         for rank in range(world_size):
             down, down_spec = create_channel("send", **spin)
