@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import os
 import threading
-import warnings
 
 import attrs
 import structlog
@@ -261,5 +260,3 @@ def format_source(source) -> str | None:
 def timeout_from_env(default: float = 300.0) -> float:
     return float(os.environ.get("DTORCH_TIMEOUT", default))
 
-
-warnings.filterwarnings("default", message="dtorch: .* has no sharding rule")
