@@ -7,7 +7,7 @@ are handles; ops on them are planned here and run asynchronously on the workers.
 from __future__ import annotations
 
 from . import dispatch as _dispatch  # noqa: F401  (installs DTensor's dispatcher)
-from . import errors
+from . import errors, nn
 from .api import (
     arange,
     distribute_tensor,
@@ -73,6 +73,7 @@ __all__ = [
     "is_initialized",
     "manual_seed",
     "memory_stats",
+    "nn",
     "ones",
     "rand",
     "randn",

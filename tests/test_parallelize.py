@@ -1,0 +1,125 @@
+"""parallelize_module with parallel styles trains a small GPT like plain torch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dtorch_core as dt
+
+from .helpers import assert_close
+
+
+class Attention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d, bias=False)  # a key bias gets a zero gradient (AdamW noise)
+        self.v = nn.Linear(d, d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (lin(x).view(b, s, -1, d // self.heads).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(a.transpose(1, 2).reshape(b, s, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads, ff):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = Attention(d, heads)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, ff)
+        self.out = nn.Linear(ff, d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=23, d=16, heads=4, ff=40, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, heads, ff) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def plan(sequence_parallel: bool):
+    col, row = dt.nn.ColwiseParallel, dt.nn.RowwiseParallel
+    out = dt.Shard(1) if sequence_parallel else dt.Replicate()
+    p = {
+        "embed": row(output_layouts=out),  # vocab-sharded table
+        "blocks.*.attn.q": col(),
+        "blocks.*.attn.k": col(),
+        "blocks.*.attn.v": col(),
+        "blocks.*.attn.proj": row(output_layouts=out),
+        "blocks.*.fc": col(),
+        "blocks.*.out": row(output_layouts=out),
+        "head": col(output_layouts=dt.Replicate()),
+    }
+    if sequence_parallel:
+        p.update({"blocks.*.ln1": dt.nn.SequenceParallel(), "blocks.*.ln2": dt.nn.SequenceParallel(),
+                  "ln": dt.nn.SequenceParallel()})
+    return p
+
+
+def _train(model, batches, steps):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for tokens, targets in batches[:steps]:
+        opt.zero_grad()
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.full_tensor().item() if isinstance(loss, dt.DTensor) else loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_gpt_with_parallel_styles_trains_like_torch(mesh, sequence_parallel):
+    torch.manual_seed(0)
+    ref = GPT()
+    tp = mesh["tp"] if mesh.ndim == 2 else mesh
+    model = dt.nn.parallelize_module(copy.deepcopy(ref), tp, plan(sequence_parallel))
+    assert all(isinstance(p, dt.DTensor) for p in model.parameters())
+    assert model.blocks[1].fc.weight.placements == (dt.Shard(0),)
+    assert model.embed.weight.placements == (dt.Shard(0),)
+    batches = [(torch.randint(0, 23, (3, 7)), torch.randint(0, 23, (3, 7))) for _ in range(3)]
+    expected = _train(ref, batches, 3)
+    got = _train(model, batches, 3)
+    assert got == pytest.approx(expected, rel=1e-4)
+    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        assert_close(p, p_ref.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    assert dt.fallback_counts() == {}
+
+
+def test_unmatched_pattern_and_wrong_module_raise(mesh1d):
+    with pytest.raises(dt.PlacementError, match="matches no sub-module"):
+        dt.nn.parallelize_module(GPT(), mesh1d, {"blocks.*.nope": dt.nn.ColwiseParallel()})
+    with pytest.raises(dt.PlacementError, match="supports nn.Linear"):
+        dt.nn.parallelize_module(GPT(), mesh1d, {"ln": dt.nn.ColwiseParallel()})
+
+
+def test_buffers_and_unplanned_parameters_are_replicated(mesh1d):
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    dt.nn.parallelize_module(model, mesh1d, {"0": dt.nn.ColwiseParallel()})
+    assert model[0].weight.placements == (dt.Shard(0),)
+    assert model[1].weight.placements == (dt.Replicate(),)
+    assert isinstance(model[1].running_mean, dt.DTensor)
+    assert model[1].running_mean.placements == (dt.Replicate(),)
