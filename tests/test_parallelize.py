@@ -123,3 +123,31 @@ def test_buffers_and_unplanned_parameters_are_replicated(mesh1d):
     assert model[1].weight.placements == (dt.Replicate(),)
     assert isinstance(model[1].running_mean, dt.DTensor)
     assert model[1].running_mean.placements == (dt.Replicate(),)
+
+
+def test_tensor_and_data_parallel_gpt_trains_like_torch(mesh2d):
+    torch.manual_seed(0)
+    ref = GPT()
+    model = dt.nn.parallelize_module(copy.deepcopy(ref), mesh2d["tp"], plan(False))
+    model = dt.nn.data_parallel(model, mesh2d["dp"])
+    # 3 sequences on 2 data-parallel ranks: an uneven batch split
+    batches = [(torch.randint(0, 23, (3, 7)), torch.randint(0, 23, (3, 7))) for _ in range(3)]
+    expected = _train(ref, batches, 3)
+    got = _train(model, batches, 3)
+    assert got == pytest.approx(expected, rel=1e-4)
+    for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
+        assert p._spec.placements[0] == dt.Replicate(), name  # replicated over dp
+        assert_close(p, p_ref.detach(), rtol=1e-4, atol=1e-5, msg=name)
+    assert dt.fallback_counts() == {}
+
+
+def test_data_parallel_alone_shards_the_batch(mesh2d):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = dt.nn.data_parallel(copy.deepcopy(ref), mesh2d["dp"])
+    x = torch.randn(5, 5)
+    out = model(x)
+    assert out.placements == (dt.Shard(0),)
+    assert_close(out, ref(x).detach())
+    with pytest.raises(dt.PlacementError, match="1-D mesh"):
+        dt.nn.data_parallel(nn.Linear(2, 2), mesh2d)

@@ -1,5 +1,6 @@
 """Tensor-parallel building blocks: parallel styles and ``parallelize_module``."""
 
+from .data_parallel import data_parallel
 from .parallelize import parallelize_module
 from .styles import (
     ColwiseParallel,
@@ -17,5 +18,6 @@ __all__ = [
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
+    "data_parallel",
     "parallelize_module",
 ]

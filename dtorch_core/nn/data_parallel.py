@@ -1,0 +1,58 @@
+"""Data parallelism on a mesh dim: replicated parameters, batch-sharded inputs.
+
+On a single controller nothing else is needed: gradients of replicated parameters computed from
+batch-sharded activations come out as Partial sums over the data-parallel dim, and the
+optimizer's in-place update reduces them (an all-reduce) before touching the parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..errors import PlacementError
+from ..mesh import DeviceMesh
+from ..placement import Replicate, Shard
+from ..tensor import DTensor
+from .parallelize import replicate_rest
+
+
+def data_parallel(module: nn.Module, device_mesh: DeviceMesh, *, batch_dim: int = 0) -> nn.Module:
+    """Replicate ``module``'s parameters over ``device_mesh`` (e.g. ``mesh["dp"]``) and shard
+    the batch dim of every tensor input over it.
+
+    Parameters already distributed on the same root mesh (e.g. by ``parallelize_module`` on
+    ``mesh["tp"]``) keep their placements: they are replicated over the dp dim already.
+    """
+    if device_mesh.ndim != 1:
+        raise PlacementError(f"data_parallel needs a 1-D mesh (e.g. mesh['dp']), got {device_mesh!r}")
+    for p in module.parameters():
+        if isinstance(p, DTensor) and p._spec.mesh != device_mesh.root:
+            raise PlacementError(
+                f"a parameter lives on {p.device_mesh!r}, not on the root of {device_mesh!r}; "
+                "parallelize the model on a sub-mesh of the same mesh"
+            )
+        if isinstance(p, DTensor) and not isinstance(p._spec.placements[device_mesh.dims_in_root[0]], Replicate):
+            raise PlacementError(f"a parameter is {p.placements} on the data-parallel dim; it must be Replicate")
+    replicate_rest(module, device_mesh)
+    dim = device_mesh.dims_in_root[0]
+
+    def shard_batch(_module, args):
+        return tuple(_shard(a, device_mesh, dim, batch_dim) for a in args)
+
+    module.register_forward_pre_hook(shard_batch)
+    return module
+
+
+def _shard(x, mesh: DeviceMesh, root_dim: int, batch_dim: int):
+    from ..api import distribute_tensor
+
+    if not isinstance(x, torch.Tensor):
+        return x
+    if not isinstance(x, DTensor):
+        return distribute_tensor(x, mesh, [Shard(batch_dim)])
+    placements = list(x._spec.placements)
+    if placements[root_dim] == Shard(batch_dim % x.ndim):
+        return x
+    placements[root_dim] = Shard(batch_dim)
+    return x.redistribute(x._spec.mesh, placements)
