@@ -40,6 +40,22 @@ def test_softmax(mesh, fn, dim, spec):
     check(mesh, lambda t: fn(t, dim=dim), [x], [spec], grad=(0,))
 
 
+@pytest.mark.parametrize("fn", [F.softmax, F.log_softmax])
+def test_softmax_over_a_sharded_dim_keeps_the_shards(mesh1d, fn):
+    t = torch.randn(5, 10)  # the softmax dim: 10 on 4 ranks, uneven
+    x = distribute(t, mesh1d, [S1]).requires_grad_()
+    y = fn(x, dim=1)
+    assert y.placements == (S1,)  # no all-gather of the softmax dim
+    g = torch.randn(5, 10)
+    y.backward(distribute(g, mesh1d, [S1]))
+    t.requires_grad_()
+    ref = fn(t, dim=1)
+    ref.backward(g)
+    assert_close(y, ref.detach())
+    assert_close(x.grad, t.grad)
+    assert x.grad.placements == (S1,)
+
+
 def test_softmax_keeps_shards_of_other_dims(mesh1d):
     x = distribute(torch.randn(10, 7), mesh1d, [S0])
     assert F.softmax(x, dim=1).placements == (S0,)

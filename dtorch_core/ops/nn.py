@@ -22,6 +22,52 @@ def softmax_rule(call):
     return pointwise_strategies(call, skip_dims=(_dim(call, 1),))
 
 
+def _sharded_along(x, dim) -> bool:
+    from ..tensor import DTensor
+
+    return isinstance(x, DTensor) and any(
+        isinstance(p, Shard) and p.dim == dim % x.ndim for p in x._spec.placements
+    )
+
+
+def softmax_decomposition(op):
+    """Softmax over a sharded dim without gathering it: the max and the sum of exponentials
+    reduce exactly across shards (small all-reduces), and the result keeps the shards."""
+    log = op is aten._log_softmax.default
+
+    def run(x, dim, half_to_float):
+        from ..dispatch import dispatch_direct
+
+        if not _sharded_along(x, dim) or half_to_float:
+            return dispatch_direct(op, (x, dim, half_to_float), {})
+        shifted = aten.sub.Tensor(x, aten.amax.default(x, [dim], True))
+        exps = aten.exp.default(shifted)
+        total = aten.sum.dim_IntList(exps, [dim], True)
+        if log:
+            return aten.sub.Tensor(shifted, aten.log.default(total))
+        return aten.div.Tensor(exps, total)
+
+    return run
+
+
+def softmax_backward_decomposition(op):
+    """The backward ops through the same reductions, when the softmax dim is sharded."""
+    log = op is aten._log_softmax_backward_data.default
+
+    def run(grad, out, dim, input_dtype):
+        from ..dispatch import dispatch_direct
+
+        if not (_sharded_along(grad, dim) or _sharded_along(out, dim)) or grad.dtype != input_dtype:
+            return dispatch_direct(op, (grad, out, dim, input_dtype), {})
+        if log:  # grad - exp(out) * sum(grad)
+            total = aten.sum.dim_IntList(grad, [dim], True)
+            return aten.sub.Tensor(grad, aten.mul.Tensor(aten.exp.default(out), total))
+        total = aten.sum.dim_IntList(aten.mul.Tensor(grad, out), [dim], True)  # out * (grad - sum(grad*out))
+        return aten.mul.Tensor(out, aten.sub.Tensor(grad, total))
+
+    return run
+
+
 def softmax_backward_rule(call):
     return pointwise_strategies(call, skip_dims=(_dim(call, 2),))
 
@@ -236,6 +282,10 @@ def dropout_localize(local):
 def register(registry) -> None:
     for op in (aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default):
         registry.add(op, softmax_rule, replace=True)
+    for op in (aten._softmax.default, aten._log_softmax.default):
+        registry.add_decomposition(op, softmax_decomposition(op))
+    for op in (aten._softmax_backward_data.default, aten._log_softmax_backward_data.default):
+        registry.add_decomposition(op, softmax_backward_decomposition(op))
     for op in (aten._softmax_backward_data.default, aten._log_softmax_backward_data.default):
         registry.add(op, softmax_backward_rule, replace=True)
     registry.add(aten.native_layer_norm.default, layer_norm_rule)
