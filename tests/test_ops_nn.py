@@ -277,3 +277,27 @@ def test_mean_loss_over_uneven_shards_is_exact(mesh1d):
     xd, td = distribute(x, mesh1d, [S0], requires_grad=True), distribute(t, mesh1d, [S0])
     got = F.cross_entropy(xd, td).full_tensor()
     torch.testing.assert_close(got, F.cross_entropy(x, t), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_cross_entropy_on_class_sharded_logits(mesh, reduction, weighted):
+    """Vocab-parallel loss: logits sharded on the class dim are never gathered."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11)  # 11 classes: uneven shards
+    target = torch.randint(0, 11, (6,))
+    target[2] = -100  # ignored
+    weight = torch.rand(11) + 0.5 if weighted else None
+    place = [dt.Shard(1)] + [dt.Shard(0)] * (mesh.ndim - 1)
+    x = distribute(logits, mesh, place).requires_grad_()
+    dt.set_strict(True)
+    got = F.cross_entropy(x, target, weight=weight, reduction=reduction)
+    logits.requires_grad_()
+    ref = F.cross_entropy(logits, target, weight=weight, reduction=reduction)
+    assert_close(got, ref.detach())
+    g = torch.randn_like(ref)
+    got.backward(distribute(g, mesh, [dt.Replicate()] * mesh.ndim) if ref.ndim == 0 else g)
+    ref.backward(g)
+    assert_close(x.grad, logits.grad)
+    assert any(p == dt.Shard(1) for p in x.grad.placements)
+    assert dt.fallback_counts() == {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..placement import Partial, Shard
+from ..placement import Partial, Replicate, Shard
 from .common import LINEAR_PARTIALS, R, pointwise_strategies, replicate_all
 from .kernels import attention_kernel_name, attention_overloads
 from .registry import Rule, Strategy
@@ -238,12 +238,68 @@ def nll_loss_forward_decomposition(op):
         sharded = isinstance(x, DTensor) and any(
             isinstance(p, Shard) and p.dim in batch_dims for p in x._spec.placements
         )
+        if op is aten.nll_loss_forward.default and _class_sharded(x):
+            return _class_sharded_nll(x, target, weight, reduction, ignore_index)
         if reduction != 1 or not sharded:
             return dispatch_direct(op, (x, target, weight, reduction, ignore_index), {})
         total, weight_sum = op(x, target, weight, 2, ignore_index)
         return aten.div.Tensor(total, weight_sum), weight_sum
 
     return decomposition
+
+
+def _class_sharded(x) -> bool:
+    """A 2-D nll input whose class dim is sharded (vocab-parallel logits)."""
+    return x.ndim == 2 and _sharded_along(x, 1)
+
+
+def _class_one_hot(x, target, ignore_index):
+    """[N, C] weights-to-be: 1 where the class is the target (and the target is not ignored),
+    laid out like ``x`` along the class dim, so nothing of ``x`` is gathered."""
+    from ..api import arange
+
+    classes = x.shape[1]
+    placements = tuple(
+        Shard(0) if isinstance(p, Shard) and p.dim == 1 else Replicate() for p in x._spec.placements
+    )
+    iota = arange(classes, device_mesh=x._spec.mesh, placements=list(placements))
+    hit = aten.eq.Tensor(aten.unsqueeze.default(iota, 0), aten.unsqueeze.default(target, 1))
+    keep = aten.ne.Scalar(target, ignore_index)
+    return aten.mul.Tensor(aten._to_copy.default(hit, dtype=x.dtype),
+                           aten.unsqueeze.default(aten._to_copy.default(keep, dtype=x.dtype), 1))
+
+
+def _class_sharded_nll(x, target, weight, reduction, ignore_index):
+    """nll over class-sharded log-probs: the picked value is a sum over the class shards."""
+    one_hot = _class_one_hot(x, target, ignore_index)
+    if weight is not None:
+        one_hot = aten.mul.Tensor(one_hot, aten.unsqueeze.default(weight, 0))
+    row_weight = aten.sum.dim_IntList(one_hot, [1], False)
+    losses = aten.neg.default(aten.sum.dim_IntList(aten.mul.Tensor(x, one_hot), [1], False))
+    total_weight = aten.sum.default(row_weight)
+    if reduction == 0:
+        return losses, total_weight
+    total = aten.sum.default(losses)
+    if reduction == 2:
+        return total, total_weight
+    return aten.div.Tensor(total, total_weight), total_weight
+
+
+def nll_loss_backward_decomposition(grad_output, x, target, weight, reduction, ignore_index, total_weight):
+    """The gradient for class-sharded log-probs: -weight(target) at the target, scaled."""
+    from ..dispatch import dispatch_direct
+
+    if not _class_sharded(x):
+        return dispatch_direct(aten.nll_loss_backward.default,
+                               (grad_output, x, target, weight, reduction, ignore_index, total_weight), {})
+    one_hot = _class_one_hot(x, target, ignore_index)
+    if weight is not None:
+        one_hot = aten.mul.Tensor(one_hot, aten.unsqueeze.default(weight, 0))
+    grad = aten.neg.default(one_hot)
+    if reduction == 0:
+        return aten.mul.Tensor(grad, aten.unsqueeze.default(grad_output, 1))
+    grad = aten.mul.Tensor(grad, grad_output)
+    return aten.div.Tensor(grad, total_weight) if reduction == 1 else grad
 
 
 def nll_loss_backward_rule(call):
@@ -302,6 +358,7 @@ def register(registry) -> None:
         registry.add(forward, nll_loss_rule, replace=True)
         registry.add_decomposition(forward, nll_loss_forward_decomposition(forward), replace=True)
         registry.add(backward, nll_loss_backward_rule, replace=True)
+    registry.add_decomposition(aten.nll_loss_backward.default, nll_loss_backward_decomposition, replace=True)
     for op in (aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.bernoulli.p, aten.bernoulli.default):
         name = op._schema.name.split("::")[1]
         registry.add(op, Rule(random_rule, random_localize(name), "dtorch::bernoulli"), replace=True)
