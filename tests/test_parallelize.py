@@ -151,3 +151,24 @@ def test_data_parallel_alone_shards_the_batch(mesh2d):
     assert_close(out, ref(x).detach())
     with pytest.raises(dt.PlacementError, match="1-D mesh"):
         dt.nn.data_parallel(nn.Linear(2, 2), mesh2d)
+
+
+def test_vocab_parallel_head_with_loss_parallel(mesh1d):
+    """A colwise LM head that keeps its logits sharded; torch-style loss_parallel code runs."""
+    torch.manual_seed(0)
+    ref = GPT()
+    p = plan(False)
+    p["head"] = dt.nn.ColwiseParallel(output_layouts=dt.Shard(-1))  # logits stay vocab-sharded
+    model = dt.nn.parallelize_module(copy.deepcopy(ref), mesh1d, p)
+    tokens, targets = torch.randint(0, 23, (3, 7)), torch.randint(0, 23, (3, 7))
+    logits = model(tokens)
+    assert logits.placements == (dt.Shard(2),)
+    with dt.nn.loss_parallel():
+        loss = F.cross_entropy(logits.reshape(-1, 23), targets.reshape(-1))
+        loss.backward()
+    ref_loss = F.cross_entropy(ref(tokens).reshape(-1, 23), targets.reshape(-1))
+    ref_loss.backward()
+    assert loss.full_tensor().item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    for (name, p_ref), q in zip(ref.named_parameters(), model.parameters()):
+        assert_close(q.grad, p_ref.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert dt.fallback_counts() == {}

@@ -1,6 +1,7 @@
 """Tensor-parallel building blocks: parallel styles and ``parallelize_module``."""
 
 from .data_parallel import data_parallel
+from .loss import loss_parallel
 from .parallelize import parallelize_module
 from .styles import (
     ColwiseParallel,
@@ -19,5 +20,6 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "data_parallel",
+    "loss_parallel",
     "parallelize_module",
 ]
