@@ -207,3 +207,19 @@ def check(mesh, fn, tensors, specs, *, grad=(), atol=1e-5, rtol=1e-5, native=Tru
     if native:
         assert dt.fallback_counts() == {}
     return out
+
+
+def train(model, batches, opt_factory, loss_fn, steps, *, clip=None):
+    """Train ``steps`` steps of ``batches`` (input, target); the losses as Python floats."""
+    opt = opt_factory(model.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = batches[step]
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.full_tensor().item() if isinstance(loss, dt.DTensor) else loss.item())
+    return losses

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import dtorch_core as dt
 
-from .helpers import assert_close
+from .helpers import assert_close, train
 
 
 class MLP(nn.Module):
@@ -81,21 +81,6 @@ def tp_plan_block(mesh):
         "out.weight": r + [dt.Shard(1)],
         "proj.weight": r + [dt.Shard(1)],
     }
-
-
-def train(model, batches, opt_factory, loss_fn, steps, *, clip=None):
-    opt = opt_factory(model.parameters())
-    losses = []
-    for step in range(steps):
-        x, y = batches[step]
-        opt.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        losses.append(loss.full_tensor().item() if isinstance(loss, dt.DTensor) else loss.item())
-    return losses
 
 
 @pytest.mark.parametrize("foreach", [True, False])

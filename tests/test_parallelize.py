@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import dtorch_core as dt
 
-from .helpers import assert_close
+from .helpers import assert_close, train
 
 
 class Attention(nn.Module):
@@ -78,17 +78,12 @@ def plan(sequence_parallel: bool):
     return p
 
 
-def _train(model, batches, steps):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for tokens, targets in batches[:steps]:
-        opt.zero_grad()
-        logits = model(tokens)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        loss.backward()
-        opt.step()
-        losses.append(loss.full_tensor().item() if isinstance(loss, dt.DTensor) else loss.item())
-    return losses
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])
@@ -101,8 +96,8 @@ def test_gpt_with_parallel_styles_trains_like_torch(mesh, sequence_parallel):
     assert model.blocks[1].fc.weight.placements == (dt.Shard(0),)
     assert model.embed.weight.placements == (dt.Shard(0),)
     batches = [(torch.randint(0, 23, (3, 7)), torch.randint(0, 23, (3, 7))) for _ in range(3)]
-    expected = _train(ref, batches, 3)
-    got = _train(model, batches, 3)
+    expected = train(ref, batches, adamw, lm_loss, 3)
+    got = train(model, batches, adamw, lm_loss, 3)
     assert got == pytest.approx(expected, rel=1e-4)
     for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
         assert_close(p, p_ref.detach(), rtol=1e-4, atol=1e-5, msg=name)
@@ -132,8 +127,8 @@ def test_tensor_and_data_parallel_gpt_trains_like_torch(mesh2d):
     model = dt.nn.data_parallel(model, mesh2d["dp"])
     # 3 sequences on 2 data-parallel ranks: an uneven batch split
     batches = [(torch.randint(0, 23, (3, 7)), torch.randint(0, 23, (3, 7))) for _ in range(3)]
-    expected = _train(ref, batches, 3)
-    got = _train(model, batches, 3)
+    expected = train(ref, batches, adamw, lm_loss, 3)
+    got = train(model, batches, adamw, lm_loss, 3)
     assert got == pytest.approx(expected, rel=1e-4)
     for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
         assert p._spec.placements[0] == dt.Replicate(), name  # replicated over dp
