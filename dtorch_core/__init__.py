@@ -7,7 +7,7 @@ are handles; ops on them are planned here and run asynchronously on the workers.
 from __future__ import annotations
 
 from . import dispatch as _dispatch  # noqa: F401  (installs DTensor's dispatcher)
-from . import errors, nn
+from . import checkpoint, errors, nn
 from .api import (
     arange,
     distribute_tensor,
@@ -61,6 +61,7 @@ __all__ = [
     "WireError",
     "WorkerLostError",
     "arange",
+    "checkpoint",
     "distribute_tensor",
     "empty",
     "errors",

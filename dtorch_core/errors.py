@@ -43,3 +43,37 @@ class WorkerLostError(DTorchError):
 
 class PluginError(DTorchError):
     """A plugin failed to load or registered something invalid."""
+
+
+class CheckpointError(DTorchError):
+    """A checkpoint could not be saved or loaded (see the subclasses for the common cases)."""
+
+
+class CheckpointIncompleteError(CheckpointError):
+    """The directory holds no complete checkpoint: no index (an interrupted or foreign save), or
+    a file the index lists is missing or has the wrong size."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint does not fit the model or optimizer it is loaded into.
+
+    ``missing``: keys the model/optimizer has and the checkpoint lacks; ``unexpected``: keys the
+    checkpoint has and the model/optimizer lacks; ``mismatched``: key -> what differs (shape,
+    dtype).
+    """
+
+    def __init__(self, message: str, *, missing=(), unexpected=(), mismatched=None):
+        super().__init__(message)
+        self.missing = tuple(missing)
+        self.unexpected = tuple(unexpected)
+        self.mismatched = dict(mismatched or {})
+
+
+class CheckpointIOError(CheckpointError):
+    """Reading or writing a checkpoint file failed (on a worker: ``rank`` names it; on the
+    controller ``rank`` is None)."""
+
+    def __init__(self, message: str, *, rank: int | None, file: str | None):
+        super().__init__(message)
+        self.rank = rank
+        self.file = file

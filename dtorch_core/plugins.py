@@ -36,6 +36,7 @@ BUILTIN_PLUGINS = (
     ("dtorch.ops", "dtorch_core.ops.builtin"),
     ("dtorch.runtime", "dtorch_core.runtime.builtin"),
     ("dtorch.cli", "dtorch_core.cli"),
+    ("dtorch.checkpoint", "dtorch_core.checkpoint.plugin"),
 )
 
 

@@ -1,0 +1,241 @@
+"""What a checkpoint holds, keyed by name: the model's state dict and the optimizer's state.
+
+Keys: ``model.<state dict key>`` for the model; ``optim.state.<parameter name>.<state key>`` for
+optimizer state (``exp_avg``, ``step``, ...). Parameters are named as in
+``model.named_parameters()``, never by their position in the optimizer, so a checkpoint loads
+into a model built in another order or on another mesh. Hyper-parameters of each param group
+are kept with the names of the group's parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import attrs
+import torch
+import torch.nn as nn
+
+from ..errors import CheckpointError, CheckpointMismatchError
+from ..placement import Replicate
+from ..tensor import DTensor
+from .index import CheckpointIndex, check_json, dtype_name, parse_dtype
+
+MODEL = "model."
+OPTIM = "optim.state."
+_GROUP_SKIP = ("params", "param_names")
+
+
+@attrs.frozen
+class SavedState:
+    """What ``save`` writes: tensors by key, JSON values by key, the optimizer's groups/state map."""
+
+    tensors: dict  # key -> torch.Tensor (a DTensor or a plain tensor)
+    values: dict  # key -> JSON value (non-tensor optimizer state)
+    optimizer: dict | None  # {"param_groups": [...], "state": {param name: [state keys]}}
+
+
+@attrs.frozen
+class LoadTargets:
+    """Where ``load`` puts each key, and what to do once the data is in."""
+
+    tensors: dict  # key -> destination tensor (model tensors, or new/reused optimizer state)
+    finish: Callable[[], None]  # installs optimizer state and hyper-parameters
+
+
+def model_key(name: str) -> str:
+    return MODEL + name
+
+
+def optim_key(param: str, state: str) -> str:
+    return f"{OPTIM}{param}.{state}"
+
+
+def model_tensors(model: nn.Module) -> dict:
+    """``model.<key>`` -> the model's own tensor (not a detached copy) for every state-dict entry."""
+    out = {}
+    for name, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(
+                f"model state {name!r} is a {type(value).__name__}, not a tensor; dtorch checkpoints hold "
+                "tensors (save it in `extra=` instead)"
+            )
+        out[model_key(name)] = value
+    return out
+
+
+def parameter_names(model: nn.Module, optimizer) -> dict:
+    """id(parameter) -> name for every parameter the optimizer holds; each must be in the model."""
+    names = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    for i, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise CheckpointError(
+                    f"param group {i} of the optimizer holds a parameter of shape {tuple(p.shape)} that is "
+                    "not a parameter of the model; checkpoints name optimizer state by parameter name"
+                )
+    return names
+
+
+def encode_value(value: Any, what: str) -> Any:
+    """A hyper-parameter or state value as JSON (tensors as ``{"tensor": values, "dtype": name}``)."""
+    if isinstance(value, DTensor):
+        value = value.full_tensor()  # a scalar-sized hyper-parameter: reading it is cheap
+    if isinstance(value, torch.Tensor):
+        return {"tensor": value.tolist(), "dtype": dtype_name(value.dtype)}
+    if isinstance(value, tuple):
+        value = list(value)
+    check_json(value, what)
+    return value
+
+
+def decode_value(value: Any, current: Any = None) -> Any:
+    if isinstance(value, dict) and set(value) == {"tensor", "dtype"}:
+        return torch.tensor(value["tensor"], dtype=parse_dtype(value["dtype"]))
+    if isinstance(value, list) and isinstance(current, tuple):
+        return tuple(value)
+    return value
+
+
+def collect(model: nn.Module, optimizer) -> SavedState:
+    """The state to save from ``model`` and (unless None) ``optimizer``."""
+    tensors = model_tensors(model)
+    values = {}
+    if optimizer is None:
+        return SavedState(tensors, values, None)
+    names = parameter_names(model, optimizer)
+    groups = []
+    state_keys = {}
+    for i, group in enumerate(optimizer.param_groups):
+        hyper = {k: encode_value(v, f"param group {i} {k!r}") for k, v in group.items() if k not in _GROUP_SKIP}
+        hyper["params"] = [names[id(p)] for p in group["params"]]
+        groups.append(hyper)
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            name = names[id(p)]
+            state_keys[name] = list(state)
+            for k, v in state.items():
+                key = optim_key(name, k)
+                if isinstance(v, torch.Tensor):
+                    tensors[key] = v
+                else:
+                    values[key] = encode_value(v, f"optimizer state {key!r}")
+    return SavedState(tensors, values, {"param_groups": groups, "state": state_keys})
+
+
+def _mismatch(key: str, entry, tensor: torch.Tensor) -> str | None:
+    diffs = []
+    if tuple(entry.shape) != tuple(tensor.shape):
+        diffs.append(f"shape {tuple(entry.shape)} in the checkpoint, {tuple(tensor.shape)} here")
+    if entry.dtype != tensor.dtype:
+        diffs.append(f"dtype {dtype_name(entry.dtype)} in the checkpoint, {dtype_name(tensor.dtype)} here")
+    return "; ".join(diffs) or None
+
+
+def _new_state_tensor(entry, param: torch.Tensor) -> torch.Tensor:
+    """A destination for saved optimizer state: laid out like its parameter when it has the
+    parameter's shape (exp_avg, ...), else replicated on the parameter's mesh or plain."""
+    with torch.no_grad():
+        if entry.distributed and isinstance(param, DTensor):
+            if tuple(entry.shape) == tuple(param.shape):
+                return torch.empty_like(param, dtype=entry.dtype)
+            from ..api import empty
+
+            mesh = param.device_mesh
+            return empty(entry.shape, device_mesh=mesh, placements=[Replicate()] * mesh.ndim, dtype=entry.dtype)
+        device = "cpu" if isinstance(param, DTensor) else param.device
+        return torch.empty(entry.shape, dtype=entry.dtype, device=device)
+
+
+def _raise_mismatch(missing, unexpected, mismatched) -> None:
+    parts = []
+    if missing:
+        parts.append(f"missing keys (in the model/optimizer, not in the checkpoint): {sorted(missing)}")
+    if unexpected:
+        parts.append(f"unexpected keys (in the checkpoint, not in the model/optimizer): {sorted(unexpected)}")
+    if mismatched:
+        parts.append("mismatched: " + "; ".join(f"{k}: {v}" for k, v in sorted(mismatched.items())))
+    raise CheckpointMismatchError(
+        "the checkpoint does not fit this model: " + ". ".join(parts)
+        + ". Load it into the model it was saved from (same parameter names, shapes and dtypes)",
+        missing=sorted(missing), unexpected=sorted(unexpected), mismatched=mismatched,
+    )
+
+
+def plan_load(model: nn.Module, optimizer, index: CheckpointIndex) -> LoadTargets:
+    """Destinations for every key of ``index``; raises CheckpointMismatchError (naming the
+    missing, unexpected and mismatched keys) before anything is changed."""
+    dests = model_tensors(model)
+    saved_model = {k for k in index.tensors if k.startswith(MODEL)}
+    missing = set(dests) - saved_model
+    unexpected = saved_model - set(dests)
+    mismatched = {}
+    for key in set(dests) & saved_model:
+        why = _mismatch(key, index.tensors[key], dests[key])
+        if why:
+            mismatched[key] = why
+    finish = _no_finish
+    if optimizer is not None:
+        finish = _plan_optimizer(model, optimizer, index, dests, missing, unexpected)
+    if missing or unexpected or mismatched:
+        _raise_mismatch(missing, unexpected, mismatched)
+    return LoadTargets(dests, finish)
+
+
+def _no_finish() -> None:
+    pass
+
+
+def _plan_optimizer(model, optimizer, index, dests, missing, unexpected) -> Callable[[], None]:
+    if index.optimizer is None:
+        missing.add("optim.param_groups")
+        return _no_finish
+    names = parameter_names(model, optimizer)
+    by_name = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
+    saved_groups = index.optimizer["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        missing.update(f"optim.param_groups[{i}]" for i in range(len(saved_groups), len(optimizer.param_groups)))
+        unexpected.update(f"optim.param_groups[{i}]" for i in range(len(optimizer.param_groups), len(saved_groups)))
+    for i, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        here = {names[id(p)] for p in group["params"]}
+        there = set(saved["params"])
+        missing.update(f"optim.param_groups[{i}].{n}" for n in here - there)
+        unexpected.update(f"optim.param_groups[{i}].{n}" for n in there - here)
+    new_state = {}
+    for name, keys in index.optimizer["state"].items():
+        p = by_name.get(name)
+        if p is None:
+            continue  # reported through its param group
+        current = optimizer.state.get(p, {})
+        state = {}
+        for k in keys:
+            key = optim_key(name, k)
+            if key in index.values:
+                state[k] = decode_value(index.values[key], current.get(k))
+                continue
+            entry = index.tensors[key]
+            old = current.get(k)
+            if (isinstance(old, torch.Tensor) and tuple(old.shape) == tuple(entry.shape)
+                    and old.dtype == entry.dtype and isinstance(old, DTensor) == entry.distributed):
+                dest = old  # keep the layout the optimizer already chose
+            else:
+                dest = _new_state_tensor(entry, p)
+            dests[key] = dest
+            state[k] = dest
+        new_state[p] = state
+
+    def finish() -> None:
+        for group, saved in zip(optimizer.param_groups, saved_groups):
+            for k, v in saved.items():
+                if k not in _GROUP_SKIP:
+                    group[k] = decode_value(v, group.get(k))
+        for p in by_name.values():
+            if p in new_state:
+                optimizer.state[p] = new_state[p]
+            else:
+                optimizer.state.pop(p, None)
+
+    return finish
