@@ -8,7 +8,7 @@ extra = dt.checkpoint.load(model, optimizer, "ckpt/")                # onto any 
 A checkpoint is a directory: one safetensors file per writing rank (``rank-00003.safetensors``),
 ``controller.safetensors`` for plain tensors, and ``index.json`` (global shapes, dtypes,
 placements, and which file holds which region of each key). The directory must be on a file
-system that the controller and every worker see. Modules: ``save``/``load`` (the two calls),
+system that the controller and every worker see. Modules: ``saving``/``loading`` (the two calls),
 ``state`` (keys of model and optimizer state), ``layout`` (region arithmetic), ``index`` (the
 index format), ``kernels`` (the workers' side), ``calls`` (running those kernels),
 ``publish`` (atomic publication).
@@ -17,8 +17,8 @@ index format), ``kernels`` (the workers' side), ``calls`` (running those kernels
 from __future__ import annotations
 
 from ..errors import CheckpointError, CheckpointIncompleteError, CheckpointIOError, CheckpointMismatchError
-from .load import load
-from .save import save
+from .loading import load
+from .saving import save
 
 __all__ = [
     "CheckpointError",

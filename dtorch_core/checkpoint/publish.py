@@ -67,9 +67,6 @@ def make_temp(path: Path) -> Path:
     for stale in _siblings(path, _TMP):
         log.info("removing an interrupted save", directory=str(stale))
         shutil.rmtree(stale, ignore_errors=True)
-    if _is_complete(path):  # a checkpoint set aside by a publish that crashed is no longer needed
-        for stale in _siblings(path, _OLD):
-            shutil.rmtree(stale, ignore_errors=True)
     tmp = path.parent / f".{path.name}{_TMP}{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     return tmp
@@ -110,9 +107,9 @@ def publish(tmp: Path, path: Path) -> None:
         os.rename(path, aside)
         fsync_dir(parent)
         rename_into_place(tmp, path)
-        fsync_dir(parent)
-        shutil.rmtree(aside, ignore_errors=True)
     fsync_dir(parent)
+    for stale in _siblings(path, _OLD):  # checkpoints set aside, by this publish or a crashed one
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def rename_into_place(tmp: Path, path: Path) -> None:
