@@ -36,7 +36,7 @@ def load(model: torch.nn.Module, optimizer, path) -> dict:
     of another model, before anything is changed.
     """
     start = time.monotonic()
-    directory = publish.resolve(Path(path))
+    directory = publish.resolve(Path(path).absolute())  # workers may run in another cwd
     index = read_index(directory)
     targets = plan_load(model, optimizer, index)
     nbytes = 0

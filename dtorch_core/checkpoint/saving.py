@@ -41,7 +41,7 @@ def save(model: torch.nn.Module, optimizer, path, *, extra: dict | None = None) 
     is stored in the index and returned by ``load``.
     """
     start = time.monotonic()
-    path = Path(path)
+    path = Path(path).absolute()  # workers may run elsewhere (another cwd or host)
     extra = {} if extra is None else extra
     check_json(extra, "extra")
     state = collect(model, optimizer)
