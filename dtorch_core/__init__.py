@@ -34,9 +34,12 @@ from .errors import (
     OpError,
     PlacementError,
     PluginError,
+    CaptureError,
+    GuardError,
     WorkerError,
     WorkerLostError,
 )
+from .graph.capture import capture, compile
 from .graph.wire import WireError
 from .hookspecs import hookimpl
 from .mesh import DeviceMesh, init_device_mesh
@@ -48,8 +51,10 @@ __version__ = "0.1.0"
 __all__ = [
     "DTensor",
     "DeviceMesh",
+    "CaptureError",
     "DTorchError",
     "FallbackRefusedError",
+    "GuardError",
     "MeshMismatchError",
     "OpError",
     "Partial",
@@ -61,7 +66,9 @@ __all__ = [
     "WireError",
     "WorkerLostError",
     "arange",
+    "capture",
     "checkpoint",
+    "compile",
     "distribute_tensor",
     "empty",
     "errors",

@@ -433,7 +433,8 @@ def _choose(session, func, rule, mesh, view, specs, flat_out, rebuild, mutated, 
         base, rank_args = local
         plan_id = session.new_plan_id()
         target = rule.kernel or func.name()
-        session.emit(
+        returns_view = any(r.alias_info is not None for r in func._schema.returns)
+        session.define_plan(
             DefinePlan(
                 plan_id,
                 session.mesh_id(mesh),
@@ -443,7 +444,9 @@ def _choose(session, func, rule, mesh, view, specs, flat_out, rebuild, mutated, 
                 rank_args or None,
                 str(func),
                 bool(rule.kernel and session.kernel_is_seeded(rule.kernel)),
-            )
+            ),
+            # only aten ops and seeded aten ops: a plugin kernel may have effects we cannot see
+            pure=not mutated and not returns_view and (rule.kernel is None or rule.kernel.startswith(SEEDED_PREFIX)),
         )
         moves = tuple(plan_redistribute(specs[i].placements, in_pl[i]) for i in range(n_in))
         out_views = tuple(None if s is None else view_for(s, view) for s in out_specs)
@@ -699,8 +702,8 @@ def plan_factory(kind: str, spec: TensorSpec, view: DeviceMesh, fill):
         base = per_rank.pop(mesh.ranks[0])
         rank_args = {r: v for r, v in per_rank.items() if v != base}
         plan_id = session.new_plan_id()
-        session.emit(DefinePlan(plan_id, mesh_id, "dtorch::factory", base[0], base[1], rank_args or None,
-                                f"dtorch.{kind}", seeded))
+        session.define_plan(DefinePlan(plan_id, mesh_id, "dtorch::factory", base[0], base[1], rank_args or None,
+                                       f"dtorch.{kind}", seeded), pure=True)
         plan = DirectPlan(plan_id, mesh, (), (spec,), (view,), (None,), lambda outs: outs[0], seeded, mesh_id)
         session.plans[key] = plan
     return plan.run(session, (), {}, [])

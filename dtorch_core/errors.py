@@ -45,6 +45,18 @@ class PluginError(DTorchError):
     """A plugin failed to load or registered something invalid."""
 
 
+class CaptureError(DTorchError):
+    """A function cannot be captured and replayed (it reads values, or differs between calls)."""
+
+
+class GuardError(CaptureError):
+    """A captured function was called with inputs unlike the captured ones and re-capture is off."""
+
+
+class DeviceError(DTorchError):
+    """The device type a session asks for is not supported here (no plugin, no such device)."""
+
+
 class CheckpointError(DTorchError):
     """A checkpoint could not be saved or loaded (see the subclasses for the common cases)."""
 

@@ -110,6 +110,50 @@ class Stats:
 
 
 @attrs.frozen
+class DefineProgram:
+    """A captured step, kept by the workers until ``DropProgram``.
+
+    ``instructions`` are Calls, Collectives, Puts and Deletes. Inside them the explicit inputs
+    are named by ``inputs`` and the explicit outputs by ``outputs`` (ids above VIRTUAL_BASE that
+    the controller never hands out); every other id is the program's own (temporaries and the
+    state it updates in place). A Call's ``seed`` is its index among the program's seeded calls.
+    """
+
+    program_id: int
+    instructions: tuple
+    inputs: tuple
+    outputs: tuple
+
+
+@attrs.frozen
+class RunProgram:
+    """Replay a program: bind ``inputs`` (tensor ids) to its inputs, name its outputs ``outputs``.
+
+    The k-th seeded call draws with the seed the controller's k-th ``next_seed`` after
+    ``seed_counter`` would give, so a replay draws what the same step run eagerly would.
+    """
+
+    program_id: int
+    inputs: tuple
+    outputs: tuple
+    seed: int
+    seed_counter: int
+
+
+@attrs.frozen
+class DropProgram:
+    program_id: int
+
+
+VIRTUAL_BASE = 1 << 60
+
+
+def program_seed(seed: int, counter: int) -> int:
+    """The seed of the ``counter``-th seeded op after ``manual_seed(seed)`` (controller and workers)."""
+    return (seed * 1_000_003 + counter * 7_919) % (2**62)
+
+
+@attrs.frozen
 class WorkerFailure:
     """Why a tensor on a worker is not available: the failing op, its source line, the error."""
 

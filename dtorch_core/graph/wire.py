@@ -108,6 +108,9 @@ _CLASS_TABLE = (
     (8, "Stats"),
     (9, "Reply"),
     (10, "WorkerFailure"),
+    (11, "DefineProgram"),
+    (12, "RunProgram"),
+    (13, "DropProgram"),
 )
 
 # Field types checked on decode come from each class's annotations; ``Any`` and unknown names

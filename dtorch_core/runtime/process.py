@@ -243,6 +243,9 @@ class ProcessRunner(Runner):
                 channel.close()
             except Exception:
                 pass
+        # drop the channels: native ones still referenced when the interpreter ends are reported
+        # as leaks by nanobind
+        self.to_workers, self.from_workers = [], []
         _live_runners.discard(self)
 
 

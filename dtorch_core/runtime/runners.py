@@ -10,6 +10,7 @@ import torch
 
 from ..comm.inprocess import InProcessExchange, LockstepExchange
 from ..errors import WorkerLostError
+from ..graph.instructions import RunProgram
 from .session import FlushPolicy
 from .worker import Worker
 
@@ -76,11 +77,19 @@ class InlineRunner(Runner):
 
     def submit(self, batch) -> None:
         for ins in batch:
-            for w in self.workers:
-                w.execute(ins)
-            for w in self.workers:
-                if w.pending:
-                    w.finish_pending()
+            if type(ins) is RunProgram:
+                # a replay runs step by step on every rank too, so its collectives meet
+                for steps in zip(*[w.expand_program(ins) for w in self.workers]):
+                    self._step(steps)
+            else:
+                self._step([ins] * len(self.workers))
+
+    def _step(self, per_worker) -> None:
+        for w, ins in zip(self.workers, per_worker):
+            w.execute(ins)
+        for w in self.workers:
+            if w.pending:
+                w.finish_pending()
 
 
 class ThreadRunner(Runner):

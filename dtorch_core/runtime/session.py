@@ -11,7 +11,7 @@ import structlog
 import torch
 
 from ..errors import NotInitializedError, WorkerError
-from ..graph.instructions import DefineMesh, Delete, Fetch, Put, Stats
+from ..graph.instructions import DefineMesh, Delete, Fetch, Put, Stats, program_seed
 
 log = structlog.get_logger(__name__)
 
@@ -60,10 +60,13 @@ class Session:
         flush_interval = policy.interval
         self.timeout = timeout
         self.plans: dict = {}
+        self.plan_names: dict = {}  # plan id -> DefinePlan, for messages about captured steps
+        self.pure_plans: set = set()  # plan ids whose calls write only their fresh outputs
         self.fallback_counts: collections.Counter = collections.Counter()
         self._warned: set = set()
         self._tid = 0
         self._plan = 0
+        self._program = 0
         self._request = 0
         self._meshes: dict = {}
         self._pending: collections.deque = collections.deque()
@@ -89,6 +92,17 @@ class Session:
     def new_plan_id(self) -> int:
         self._plan += 1
         return self._plan
+
+    def new_program_id(self) -> int:
+        self._program += 1
+        return self._program
+
+    def define_plan(self, define, *, pure: bool) -> None:
+        """Send a plan definition; ``pure`` plans may be dropped from captured steps when unused."""
+        self.plan_names[define.plan_id] = define
+        if pure:
+            self.pure_plans.add(define.plan_id)
+        self.emit(define)
 
     def mesh_id(self, mesh) -> int:
         mid = self._meshes.get(mesh)
@@ -120,7 +134,7 @@ class Session:
 
     def next_seed(self) -> int:
         self._seed_counter += 1
-        return (self._seed * 1_000_003 + self._seed_counter * 7_919) % (2**62)
+        return program_seed(self._seed, self._seed_counter)
 
     # -- stream ---------------------------------------------------------------------------
     # ``_pending`` and ``_releases`` are deques: append and popleft are atomic, so the hot path

@@ -21,14 +21,18 @@ from ..graph.instructions import (
     Collective,
     DefineMesh,
     DefinePlan,
+    DefineProgram,
     Delete,
+    DropProgram,
     Fetch,
     Put,
     Reply,
+    RunProgram,
     Slot,
     Stats,
     WorkerFailure,
     fill_slots,
+    program_seed,
 )
 from ..mesh import DeviceMesh, root_coordinate
 
@@ -50,6 +54,30 @@ class LocalPlan:
     bind: object
     op_name: str
     seeded: bool
+
+
+@attrs.frozen
+class BindInputs:
+    """Worker-local step of a replay: the program's input ids name the caller's tensors."""
+
+    pairs: tuple  # (program input id, tensor id)
+
+
+@attrs.frozen
+class NameOutputs:
+    """Worker-local step of a replay: the caller's fresh ids take the program's outputs."""
+
+    pairs: tuple  # (program output id, fresh tensor id, move: the program's id is dropped)
+    drop: tuple  # program input ids to forget
+
+
+@attrs.define
+class LoadedProgram:
+    instructions: list
+    seeded: tuple  # positions of seeded Calls (their ``seed`` is the index among them)
+    inputs: tuple
+    outputs: frozenset  # the program's own output ids (moved to the fresh ids after a replay)
+    output_ids: tuple
 
 
 def _binder(args, kwargs):
@@ -100,6 +128,7 @@ class Worker:
         self.reply = reply
         self.store: dict = {}
         self.plans: dict = {}
+        self.programs: dict = {}
         self.meshes: dict = {}
         self.seq: dict = {}
         self.pending: list = []
@@ -108,7 +137,11 @@ class Worker:
     # -- stream ---------------------------------------------------------------------------
     def run_batch(self, batch) -> None:
         for ins in batch:
-            self.execute(ins)
+            if type(ins) is RunProgram:
+                for step in self.expand_program(ins):
+                    self.execute(step)
+            else:
+                self.execute(ins)
 
     def execute(self, ins) -> None:
         t = type(ins)
@@ -138,6 +171,22 @@ class Worker:
                     self.reply(Reply(ins.request_id, self.rank, value=value))
         elif t is DefineMesh:
             self._define_mesh(ins)
+        elif t is BindInputs:
+            store = self.store
+            for pid, tid in ins.pairs:
+                value = store.get(tid)
+                store[pid] = value if value is not None else self._lookup(tid)
+        elif t is NameOutputs:
+            store = self.store
+            for pid, tid, move in ins.pairs:
+                value = store.pop(pid, None) if move else store.get(pid)
+                store[tid] = value if value is not None else self._lookup(pid)
+            for pid in ins.drop:
+                store.pop(pid, None)
+        elif t is DefineProgram:
+            self._define_program(ins)
+        elif t is DropProgram:
+            self.programs.pop(ins.program_id, None)
         elif t is Stats:
             self.reply(Reply(ins.request_id, self.rank, value=self.memory_stats()))
         else:
@@ -178,6 +227,32 @@ class Worker:
                 raise RuntimeError(message)
 
         self.plans[ins.plan_id] = LocalPlan(fn, _binder(args, kwargs), ins.op_name, ins.seeded)
+
+    def _define_program(self, ins: DefineProgram) -> None:
+        body = list(ins.instructions)
+        seeded = tuple(i for i, x in enumerate(body) if type(x) is Call and x.seed is not None)
+        self.programs[ins.program_id] = LoadedProgram(body, seeded, tuple(ins.inputs), frozenset(ins.outputs),
+                                                      tuple(ins.outputs))
+
+    def expand_program(self, run: RunProgram) -> list:
+        """The steps of one replay: bind inputs, the body (fresh seeds), name outputs."""
+        program = self.programs.get(run.program_id)
+        if program is None:
+            self._fail(run.outputs, WorkerFailure(self.rank, "replay", None,
+                                                  f"program {run.program_id} is not defined on this worker"))
+            return []
+        body = program.instructions
+        if program.seeded:
+            body = body.copy()
+            for i in program.seeded:
+                call = body[i]
+                body[i] = attrs.evolve(call, seed=program_seed(run.seed, run.seed_counter + call.seed + 1))
+        bind = BindInputs(tuple(zip(program.inputs, run.inputs)))
+        name = NameOutputs(
+            tuple((pid, tid, pid in program.outputs) for pid, tid in zip(program.output_ids, run.outputs)),
+            program.inputs,
+        )
+        return [bind, *body, name]
 
     # -- execution ------------------------------------------------------------------------
     def _lookup(self, tid):

@@ -1,0 +1,256 @@
+"""Programs: a recorded step turned into an instruction list that workers replay.
+
+A ``Recording`` holds what the controller emitted while a step ran eagerly. ``build_program``
+names the step's explicit inputs and outputs with ids of their own (so each replay binds new
+ones), numbers its seeded calls (so each replay draws fresh, reproducible random numbers),
+checks that the step can run again from its own results, and optimises it once:
+
+- dead-instruction elimination: side-effect-free work whose results nothing uses is dropped;
+- freeing at last use: a temporary is deleted right after the last instruction that touches it,
+  instead of when the controller's handle happened to die (lower peak memory than eager).
+
+Everything else the step touches is *state*: tensors made before the step (parameters,
+optimizer state) are read and written in place under their own ids, and tensors the step makes
+and keeps (``.grad``) are rewritten under the same ids on every replay, as with CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from ..errors import CaptureError
+from .instructions import VIRTUAL_BASE, Call, Collective, Delete, Put, program_seed
+
+_OUTPUT_BASE = VIRTUAL_BASE + (1 << 40)
+_BODY_TYPES = (Call, Collective, Put, Delete)
+
+
+@attrs.define
+class Recording:
+    """What the controller emitted and released while a step ran (see ``graph.capture``)."""
+
+    first_tid: int  # ids above this one were made during the recording
+    seed: int
+    seed_counter: int
+    instructions: list = attrs.field(factory=list)
+    released: list = attrs.field(factory=list)
+    reads: list = attrs.field(factory=list)  # user source lines of value reads
+    seeds_drawn: int = 0
+
+
+@attrs.frozen
+class Program:
+    """A step ready to define on the workers, plus what comparing two recordings needs."""
+
+    instructions: tuple
+    inputs: tuple  # the program's ids for the explicit inputs
+    outputs: tuple  # per explicit output: the program's id for it
+    seeds: int  # seeded ops per replay (the controller's seed counter advances by this)
+    signature: tuple  # the recording with ids named by role, for ``check_same``
+    recorded: int  # instructions recorded
+    eliminated: int  # instructions dead-code elimination removed
+
+
+def reads_of(ins) -> tuple:
+    t = type(ins)
+    if t is Call:
+        return ins.inputs
+    if t is Collective:
+        return (ins.src,)
+    return ()
+
+
+def writes_of(ins) -> tuple:
+    t = type(ins)
+    if t is Call:
+        return tuple(o for o in ins.outputs if o >= 0)
+    if t is Collective:
+        return (ins.dst,)
+    if t is Put:
+        return (ins.tid,)
+    return ()
+
+
+def rename(ins, ids: dict):
+    """``ins`` with every tensor id looked up in ``ids`` (ids not in it are kept)."""
+    get = ids.get
+    t = type(ins)
+    if t is Call:
+        return attrs.evolve(ins, inputs=tuple(get(i, i) for i in ins.inputs),
+                            outputs=tuple(get(o, o) for o in ins.outputs))
+    if t is Collective:
+        return attrs.evolve(ins, src=get(ins.src, ins.src), dst=get(ins.dst, ins.dst))
+    if t is Put:
+        return attrs.evolve(ins, tid=get(ins.tid, ins.tid))
+    if t is Delete:
+        return Delete(tuple(get(i, i) for i in ins.tids))
+    return ins
+
+
+def build_program(rec: Recording, input_tids, output_tids, pure_plans, describe) -> Program:
+    """Turn ``rec`` into a Program whose inputs are ``input_tids`` and outputs ``output_tids``.
+
+    ``pure_plans``: plan ids whose calls write nothing but their fresh outputs (safe to drop when
+    unused). ``describe(ins)`` names an instruction for error messages.
+    """
+    body = [ins for ins in rec.instructions if type(ins) in _BODY_TYPES]
+    made = rec.first_tid
+    released = set(rec.released)
+
+    ids: dict = {}
+    for k, tid in enumerate(input_tids):
+        ids.setdefault(tid, VIRTUAL_BASE + k)
+    outputs = []
+    for k, tid in enumerate(output_tids):
+        if tid in ids:
+            outputs.append(ids[tid])  # an input (or an output listed twice) returned as is
+        elif tid > made:
+            ids[tid] = _OUTPUT_BASE + k
+            outputs.append(ids[tid])
+        else:
+            outputs.append(tid)  # state returned as is
+    body = [rename(ins, ids) for ins in body]
+
+    body, seeds = _number_seeds(body, rec)
+    _check_rerunnable(body, made, released, set(ids.values()), describe)
+    signature = _signature(body, made)
+    kept = _eliminate_dead(body, made, released, set(outputs), pure_plans)
+    final = _free_at_last_use(kept, made, released, set(outputs))
+    return Program(tuple(final), tuple(VIRTUAL_BASE + k for k in range(len(input_tids))), tuple(outputs),
+                   seeds, signature, len(body), len(body) - len(kept))
+
+
+def _number_seeds(body, rec):
+    out = []
+    k = 0
+    for ins in body:
+        if type(ins) is Call and ins.seed is not None:
+            if ins.seed != program_seed(rec.seed, rec.seed_counter + k + 1):
+                raise CaptureError(
+                    "a random op drew its seed out of order during capture (dt.manual_seed called inside "
+                    "the captured function?); seed outside the function"
+                )
+            ins = attrs.evolve(ins, seed=k)
+            k += 1
+        out.append(ins)
+    if k != rec.seeds_drawn:
+        raise CaptureError(f"{rec.seeds_drawn} random seeds were drawn during capture but {k} random ops ran; "
+                           "a replay could not reproduce them")
+    return out, k
+
+
+def _check_rerunnable(body, made, released, own_ids, describe) -> None:
+    """A replay reads what the step read: state it read must outlive the step."""
+    for ins in body:
+        for tid in reads_of(ins):
+            if tid <= made and tid not in own_ids and tid in released:
+                raise CaptureError(
+                    f"the captured step reads a tensor made before it and then frees it ({describe(ins)}); "
+                    "a replay would find it gone. This happens when the step replaces state instead of "
+                    "updating it in place (e.g. `p = p - lr * g` instead of `p.sub_(lr * g)`)"
+                )
+
+
+def _signature(body, made) -> tuple:
+    """The body with ids named by role: input k, k-th made tensor, or the state's own id."""
+    order: dict = {}
+    sig = []
+
+    def name(tid):
+        if tid >= VIRTUAL_BASE:
+            return ("io", tid)
+        if tid > made:
+            return ("made", order.setdefault(tid, len(order)))
+        return ("state", tid)
+
+    for ins in body:
+        t = type(ins)
+        if t is Delete:
+            continue
+        if t is Call:
+            sig.append(("call", ins.plan_id, tuple(name(i) for i in ins.inputs),
+                        tuple(-1 if o < 0 else name(o) for o in ins.outputs), ins.source, ins.seed))
+        elif t is Collective:
+            sig.append(("collective", ins.kind, ins.mesh_id, ins.mesh_dim, name(ins.src), name(ins.dst),
+                        ins.dim, ins.reduce_op, ins.dim2))
+        else:
+            sig.append(("put", name(ins.tid), ins.mesh_id, _PutValue(ins.shards)))
+    return tuple(sig)
+
+
+@attrs.frozen(eq=False)
+class _PutValue:
+    """Constant tensors a step sent from the controller; equal when every shard's values are."""
+
+    shards: dict
+
+    def __eq__(self, other):
+        import torch
+
+        if type(other) is not _PutValue or self.shards.keys() != other.shards.keys():
+            return False
+        for rank, a in self.shards.items():
+            b = other.shards[rank]
+            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+                return False
+        return True
+
+    def __hash__(self):
+        return hash(tuple(self.shards))
+
+
+def _eliminate_dead(body, made, released, outputs, pure_plans) -> list:
+    """Drop pure work whose results are neither used later, kept, nor returned."""
+
+    def temporary(tid):
+        return made < tid < VIRTUAL_BASE and tid in released
+
+    needed = set(outputs)
+    for ins in body:
+        needed.update(tid for tid in writes_of(ins) if not temporary(tid))  # state, inputs, kept tensors
+    kept = []
+    for ins in reversed(body):
+        t = type(ins)
+        if t is not Delete:
+            pure = t is not Call or ins.plan_id in pure_plans
+            if pure and not any(w in needed for w in writes_of(ins)):
+                continue
+            needed.update(reads_of(ins))
+        kept.append(ins)
+    kept.reverse()
+    return kept
+
+
+def _free_at_last_use(body, made, released, outputs) -> list:
+    """Delete each temporary right after its last use; keep deletes of older state as recorded."""
+    last: dict = {}
+    for i, ins in enumerate(body):
+        if type(ins) is Delete:
+            continue
+        for tid in reads_of(ins) + writes_of(ins):
+            if made < tid < VIRTUAL_BASE and tid in released and tid not in outputs:
+                last[tid] = i
+    frees: dict = {}
+    for tid, i in last.items():
+        frees.setdefault(i, []).append(tid)
+    out = []
+    for i, ins in enumerate(body):
+        if type(ins) is Delete:
+            older = tuple(t for t in ins.tids if t <= made)
+            if older:
+                out.append(Delete(older))
+            continue
+        out.append(ins)
+        if i in frees:
+            out.append(Delete(tuple(frees[i])))
+    return out
+
+
+def first_difference(a: Program, b: Program) -> int | None:
+    """Index of the first instruction where two recordings of a step differ (None: same)."""
+    for i, (x, y) in enumerate(zip(a.signature, b.signature)):
+        if x != y:
+            return i
+    if len(a.signature) != len(b.signature):
+        return min(len(a.signature), len(b.signature))
+    return None
