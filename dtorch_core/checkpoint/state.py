@@ -167,7 +167,7 @@ def _raise_mismatch(missing, unexpected, mismatched) -> None:
 
 def plan_load(model: nn.Module, optimizer, index: CheckpointIndex) -> LoadTargets:
     """Destinations for every key of ``index``; raises CheckpointMismatchError (naming the
-    missing, unexpected and mismatched keys) before anything is changed."""
+    missing, unexpected and mismatched keys) before anything is changed or allocated."""
     dests = model_tensors(model)
     saved_model = {k for k in index.tensors if k.startswith(MODEL)}
     missing = set(dests) - saved_model
@@ -177,11 +177,11 @@ def plan_load(model: nn.Module, optimizer, index: CheckpointIndex) -> LoadTarget
         why = _mismatch(key, index.tensors[key], dests[key])
         if why:
             mismatched[key] = why
-    finish = _no_finish
     if optimizer is not None:
-        finish = _plan_optimizer(model, optimizer, index, dests, missing, unexpected)
+        _check_optimizer(model, optimizer, index, missing, unexpected)
     if missing or unexpected or mismatched:
         _raise_mismatch(missing, unexpected, mismatched)
+    finish = _no_finish if optimizer is None else _optimizer_targets(model, optimizer, index, dests)
     return LoadTargets(dests, finish)
 
 
@@ -189,26 +189,31 @@ def _no_finish() -> None:
     pass
 
 
-def _plan_optimizer(model, optimizer, index, dests, missing, unexpected) -> Callable[[], None]:
+def _check_optimizer(model, optimizer, index, missing: set, unexpected: set) -> None:
+    """Add the optimizer's parameters the checkpoint lacks (and the reverse), group by group."""
     if index.optimizer is None:
         missing.add("optim.param_groups")
-        return _no_finish
+        return
     names = parameter_names(model, optimizer)
-    by_name = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
     saved_groups = index.optimizer["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups):
-        missing.update(f"optim.param_groups[{i}]" for i in range(len(saved_groups), len(optimizer.param_groups)))
-        unexpected.update(f"optim.param_groups[{i}]" for i in range(len(optimizer.param_groups), len(saved_groups)))
-    for i, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+    groups = optimizer.param_groups
+    missing.update(f"optim.param_groups[{i}]" for i in range(len(saved_groups), len(groups)))
+    unexpected.update(f"optim.param_groups[{i}]" for i in range(len(groups), len(saved_groups)))
+    for i, (group, saved) in enumerate(zip(groups, saved_groups)):
         here = {names[id(p)] for p in group["params"]}
         there = set(saved["params"])
         missing.update(f"optim.param_groups[{i}].{n}" for n in here - there)
         unexpected.update(f"optim.param_groups[{i}].{n}" for n in there - here)
+
+
+def _optimizer_targets(model, optimizer, index, dests: dict) -> Callable[[], None]:
+    """Add a destination per saved optimizer tensor to ``dests``; return what installs the new
+    state and the saved hyper-parameters once the data is in."""
+    names = parameter_names(model, optimizer)
+    by_name = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
     new_state = {}
     for name, keys in index.optimizer["state"].items():
-        p = by_name.get(name)
-        if p is None:
-            continue  # reported through its param group
+        p = by_name[name]
         current = optimizer.state.get(p, {})
         state = {}
         for k in keys:
@@ -228,7 +233,7 @@ def _plan_optimizer(model, optimizer, index, dests, missing, unexpected) -> Call
         new_state[p] = state
 
     def finish() -> None:
-        for group, saved in zip(optimizer.param_groups, saved_groups):
+        for group, saved in zip(optimizer.param_groups, index.optimizer["param_groups"]):
             for k, v in saved.items():
                 if k not in _GROUP_SKIP:
                     group[k] = decode_value(v, group.get(k))
