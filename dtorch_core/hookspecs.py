@@ -36,19 +36,26 @@ def dtorch_register_kernels(registry) -> None:
 
 @hookspec
 def dtorch_register_streams(registry) -> None:
-    """Add stream factories per device type: ``registry.add(device_type, factory)``.
+    """Add worker streams per device type: ``registry.add(device_type, cls)``.
 
-    ``factory(device)`` returns an object with ``run(fn)`` and ``synchronize()``. The builtin
-    ``cpu`` stream runs in order on the worker thread.
+    ``cls`` subclasses :class:`dtorch_core.runtime.streams.WorkerStreams`:
+    ``cls.device_for(device_type, rank)`` picks worker ``rank``'s device and ``cls(device)``
+    makes its streams (``run``, ``communicate``, ``join_reads``, ``to_host``, ``synchronize``,
+    ``memory_stats``; the base class documents each). A session with ``dt.init(device_type=...)``
+    needs streams registered for that type. The builtin ``cpu`` streams run in order on the
+    worker thread. Called once at start-up, in every process that runs workers.
     """
 
 
 @hookspec
 def dtorch_register_communicators(registry) -> None:
-    """Add communicator factories: ``registry.add(name, factory)``.
+    """Add communicators: ``registry.add(name, Communicator(create, scope, device_types, dist_backend))``.
 
     A communicator moves tensors between the workers of a mesh dim group (all-gather,
-    all-reduce, reduce-scatter, all-to-all). Runners pick one by name.
+    all-reduce, reduce-scatter, all-to-all). ``dtorch_core.comm.kinds.Communicator`` says which
+    runners may use it (``scope`` "thread" or "process") on which worker device types; a runner
+    takes the one registered for its scope and device type, or the one named by its
+    ``communicator=`` option. Called once at start-up.
     """
 
 

@@ -1,23 +1,12 @@
-"""The builtin runtime plugin: runners, communicators, the CPU stream."""
+"""The builtin runtime plugin: runners, communicators, the CPU streams."""
 
 from __future__ import annotations
 
 from ..comm.inprocess import InProcessExchange
+from ..comm.kinds import Communicator
 from ..hookspecs import hookimpl
 from .runners import InlineRunner, ThreadRunner
-
-
-class CpuStream:
-    """Runs work in order on the worker's own thread."""
-
-    def __init__(self, device):
-        self.device = device
-
-    def run(self, fn):
-        return fn()
-
-    def synchronize(self) -> None:
-        pass
+from .streams import WorkerStreams
 
 
 def _process_runner(world_size: int, **options):
@@ -34,20 +23,20 @@ def dtorch_register_runners(registry) -> None:
 
 
 def _gloo_exchange(rank, device):
-    from ..comm.gloo import GlooExchange
+    from ..comm.dist import DistExchange
 
-    return GlooExchange(rank, device)
+    return DistExchange(rank, device)
 
 
 @hookimpl
 def dtorch_register_communicators(registry) -> None:
-    registry.add("inprocess", InProcessExchange)
-    registry.add("gloo", _gloo_exchange)
+    registry.add("inprocess", Communicator(InProcessExchange, "thread", ("cpu",)))
+    registry.add("gloo", Communicator(_gloo_exchange, "process", ("cpu",), dist_backend="gloo"))
 
 
 @hookimpl
 def dtorch_register_streams(registry) -> None:
-    registry.add("cpu", CpuStream)
+    registry.add("cpu", WorkerStreams)  # in order on the worker's own thread
 
 
 def _local_channel(role: str, **options):

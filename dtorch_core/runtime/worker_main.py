@@ -1,12 +1,14 @@
 """Entry point of a ``process`` runner worker: ``python -m dtorch_core.runtime.worker_main CONFIG``.
 
 CONFIG is JSON written by the controller (rank, world size, rendezvous port, channel specs).
-The worker joins the gloo group, then executes batches until it is told to stop, its channel
-closes, or its controller disappears.
+The worker takes its device (the streams registered for the device type pick it), joins the
+torch.distributed group of its communicator, then executes batches until it is told to stop,
+its channel closes, or its controller disappears.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -41,6 +43,7 @@ def main(argv=None) -> int:
     from ..plugins import get_plugins
     from ..transport.channel import ChannelSpec, open_channel
     from .process import PROTOCOL, READY, SHUTDOWN
+    from .streams import make_streams
     from .worker import Worker
 
     configure()
@@ -49,6 +52,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(int(config["threads"]))
     rx = open_channel(ChannelSpec.decode(config["recv"]))
     tx = open_channel(ChannelSpec.decode(config["send"]))
+    plugins = get_plugins()
+    streams = make_streams(config["device_type"], rank)
+    streams.claim_process()  # before the process group: NCCL binds to the current device
     dist.init_process_group(
         config["backend"],
         init_method=f"tcp://127.0.0.1:{config['master_port']}",
@@ -56,7 +62,8 @@ def main(argv=None) -> int:
         world_size=config["world_size"],
         timeout=timedelta(seconds=float(config["timeout"])),
     )
-    device = torch.device(config["device_type"])
+    device = streams.device
+    log = log.bind(device=str(device))
     send_lock = threading.Lock()
 
     def reply(r: Reply) -> None:
@@ -64,9 +71,8 @@ def main(argv=None) -> int:
         with send_lock:
             tx.send(data)
 
-    plugins = get_plugins()
-    exchange = plugins.registry("communicators").get(config["communicator"])(rank, device)
-    worker = Worker(rank, device, plugins.registry("kernels"), exchange, reply)
+    exchange = plugins.registry("communicators").get(config["communicator"]).create(rank, device)
+    worker = Worker(rank, device, plugins.registry("kernels"), exchange, reply, streams)
     reply(Reply(READY, rank, value=None))
     log.debug("worker ready")
     while True:
@@ -85,7 +91,7 @@ def main(argv=None) -> int:
             log.warning("rejected a frame", error=str(exc))
             reply(Reply(PROTOCOL, rank, error=WorkerFailure(rank, "decode", None, str(exc))))
             continue
-        worker.run_batch(batch)
+        streams.run(functools.partial(worker.run_batch, batch))
     try:
         dist.destroy_process_group()
     except Exception:

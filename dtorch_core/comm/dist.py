@@ -1,9 +1,12 @@
-"""Collectives between worker processes through torch.distributed (gloo on CPU).
+"""Collectives between worker processes through torch.distributed.
 
 Every communicating step is an all-gather of the members' contributions followed by the same
 ``combine_all`` arithmetic the in-process runners use, so every runner computes the same values.
 Contributions travel as bytes (any dtype, any shape, uneven sizes): first a small header per
-member (failed flag, dtype, shape), then the padded payloads.
+member (failed flag, dtype, shape), then the padded payloads. Headers always live on the CPU, so
+reading them never waits for a device; payloads live on the worker's device. With a mixed
+backend such as ``"cpu:gloo,cuda:nccl"`` the headers go through gloo and CUDA payloads through
+NCCL, on the caller's current stream (the worker's communication stream).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ _CODE = {d: i for i, d in enumerate(_DTYPES)}
 
 
 @attrs.define
-class GlooExchange:
+class DistExchange:
     """The exchange interface of :class:`~dtorch_core.runtime.worker.Worker` over process groups."""
 
     rank: int
@@ -67,13 +70,13 @@ class GlooExchange:
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = [itemsize * _numel(s) for s in shapes]
         width = max(max(nbytes), 1)
-        mine = torch.zeros(width, dtype=torch.uint8)
+        mine = torch.zeros(width, dtype=torch.uint8, device=self.device)
         if nbytes[index]:
             mine[: nbytes[index]] = value.contiguous().reshape(-1).view(torch.uint8)
-        payloads = [torch.empty(width, dtype=torch.uint8) for _ in members]
+        payloads = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in members]
         dist.all_gather(payloads, mine, group=group)
         values = [
-            p[:n].view(dtype).reshape(s) if n else torch.empty(s, dtype=dtype)
+            p[:n].view(dtype).reshape(s) if n else torch.empty(s, dtype=dtype, device=self.device)
             for p, n, s in zip(payloads, nbytes, shapes)
         ]
         return compute(values)[index]
