@@ -66,13 +66,18 @@ class ProcessRunner(Runner):
     def __init__(self, world_size: int, device_type: str = "cpu", timeout: float = 300.0,
                  startup_timeout: float | None = None, communicator: str | None = None,
                  dist_backend: str | None = None, **_options):
+        from ..comm.kinds import choose_communicator
         from ..plugins import get_plugins
         from ..transport.channel import active_backend
+        from .streams import streams_class
 
-        create_channel = get_plugins().registry("transports").get("local")
-        # CPU meshes use gloo; a device plugin (e.g. dtorch_nccl) registers its communicator
-        communicator = communicator or ("gloo" if device_type == "cpu" else device_type)
-        dist_backend = dist_backend or ("gloo" if device_type == "cpu" else "nccl")
+        plugins = get_plugins()
+        create_channel = plugins.registry("transports").get("local")
+        # gloo for CPU workers; a device plugin (dtorch_nccl for cuda) registers the one for its type
+        communicator, chosen = choose_communicator(plugins.registry("communicators"), "process", device_type,
+                                                   communicator)
+        dist_backend = dist_backend or chosen.dist_backend
+        streams_class(device_type).device_for(device_type, 0)  # a missing device raises here, not in a worker
 
         super().__init__(world_size, device_type)
         self.timeout = timeout

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 
 import structlog
 import torch
 
-from ..comm.inprocess import InProcessExchange, LockstepExchange
-from ..errors import WorkerLostError
+from ..comm.inprocess import LockstepExchange
+from ..comm.kinds import choose_communicator
+from ..errors import DeviceError, WorkerLostError
 from ..graph.instructions import RunProgram
 from .session import FlushPolicy
+from .streams import make_streams
 from .worker import Worker
 
 log = structlog.get_logger(__name__)
@@ -59,8 +62,11 @@ class Runner:
         from ..plugins import get_plugins
 
         kernels = get_plugins().registry("kernels")
-        device = torch.device(self.device_type)
-        return [Worker(r, device, kernels, exchange, self._reply) for r in range(self.world_size)]
+        workers = []
+        for r in range(self.world_size):
+            streams = make_streams(self.device_type, r)
+            workers.append(Worker(r, streams.device, kernels, exchange, self._reply, streams))
+        return workers
 
     def shutdown(self) -> None:
         pass
@@ -72,6 +78,13 @@ class InlineRunner(Runner):
     name = "inline"
 
     def __init__(self, world_size: int, device_type: str = "cpu", **_options):
+        if device_type != "cpu":
+            # every rank runs in this one thread, one instruction at a time: there is no place
+            # for per-device streams, and it is the CPU reference anyway
+            raise DeviceError(
+                f"the inline runner runs CPU workers only; use runner='thread' or 'process' for "
+                f"device_type={device_type!r}"
+            )
         super().__init__(world_size, device_type)
         self.workers = self._make_workers(LockstepExchange())
 
@@ -108,10 +121,14 @@ class ThreadRunner(Runner):
     name = "thread"
     flush_policy = FlushPolicy(batch_size=16384, interval=0.001, when_idle=True)
 
-    def __init__(self, world_size: int, device_type: str = "cpu", timeout: float = 300.0, **_options):
+    def __init__(self, world_size: int, device_type: str = "cpu", timeout: float = 300.0,
+                 communicator: str | None = None, **_options):
+        from ..plugins import get_plugins
+
         super().__init__(world_size, device_type)
         self.turn = threading.Lock()
-        self.exchange = InProcessExchange(timeout=timeout, turn=self.turn)
+        _, comm = choose_communicator(get_plugins().registry("communicators"), "thread", device_type, communicator)
+        self.exchange = comm.create(timeout=timeout, turn=self.turn)
         self.workers = self._make_workers(self.exchange)
         self.queues = [queue.SimpleQueue() for _ in range(world_size)]
         self.threads = [
@@ -134,7 +151,7 @@ class ThreadRunner(Runner):
                 return
             try:
                 with self.turn:
-                    worker.run_batch(batch)
+                    worker.streams.run(functools.partial(worker.run_batch, batch))
             except BaseException as exc:  # a bug in the worker itself, not in a kernel
                 worker.log.error("worker crashed", error=repr(exc))
                 with self._cond:

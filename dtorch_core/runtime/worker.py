@@ -35,6 +35,7 @@ from ..graph.instructions import (
     program_seed,
 )
 from ..mesh import DeviceMesh, root_coordinate
+from .streams import WorkerStreams
 
 log = structlog.get_logger(__name__)
 PENDING = object()
@@ -120,7 +121,7 @@ def _compute_collective(ins: Collective, rank: int, values: list) -> list:
 
 
 class Worker:
-    def __init__(self, rank: int, device: torch.device, kernels, exchange, reply):
+    def __init__(self, rank: int, device: torch.device, kernels, exchange, reply, streams=None):
         self.rank = rank
         self.device = device
         self.kernels = kernels
@@ -133,6 +134,8 @@ class Worker:
         self.seq: dict = {}
         self.pending: list = []
         self.log = log.bind(rank=rank)
+        # the device's compute/communication streams; the runner runs each batch in streams.run
+        self.streams = streams if streams is not None else WorkerStreams(device)
 
     # -- stream ---------------------------------------------------------------------------
     def run_batch(self, batch) -> None:
@@ -168,7 +171,7 @@ class Worker:
                 elif type(value) is WorkerFailure:
                     self.reply(Reply(ins.request_id, self.rank, error=value))
                 else:
-                    self.reply(Reply(ins.request_id, self.rank, value=value))
+                    self.reply(Reply(ins.request_id, self.rank, value=self.streams.to_host(value)))
         elif t is DefineMesh:
             self._define_mesh(ins)
         elif t is BindInputs:
@@ -188,6 +191,7 @@ class Worker:
         elif t is DropProgram:
             self.programs.pop(ins.program_id, None)
         elif t is Stats:
+            self.streams.synchronize()  # a sync point: the device has finished what was issued
             self.reply(Reply(ins.request_id, self.rank, value=self.memory_stats()))
         else:
             raise TypeError(f"worker got an unknown instruction {ins!r}")
@@ -271,6 +275,8 @@ class Worker:
             if v is None or type(v) is WorkerFailure:
                 self._fail(ins.outputs, v if v is not None else self._lookup(ins.inputs[i]))
                 return
+        if self.streams.outstanding:
+            self.streams.join_reads(vals)
         try:
             args, kwargs = plan.bind(vals)
             if plan.seeded:
@@ -304,6 +310,8 @@ class Worker:
             if type(x) is WorkerFailure:
                 self.store[ins.dst] = x
                 return
+            if self.streams.outstanding:
+                self.streams.join_reads((x,))
             self.store[ins.dst] = local_step(ins.kind, x, index, size, ins.dim, ins.reduce_op)
             return
         group_key = (ins.mesh_id, ins.mesh_dim, gi)
@@ -311,7 +319,7 @@ class Worker:
         self.seq[group_key] = seq + 1
         key = group_key + (seq,)
         compute = functools.partial(_compute_collective, ins, self.rank)
-        result = self.exchange.exchange(key, index, size, x, compute)
+        result = self.streams.communicate(functools.partial(self.exchange.exchange, key, index, size, x, compute), x)
         if result is PENDING:
             self.pending.append((ins, key, index, compute))
             return
@@ -336,4 +344,4 @@ class Worker:
                 if ptr not in seen:
                     seen.add(ptr)
                     nbytes += storage.nbytes()
-        return {"rank": self.rank, "live_tensors": live, "bytes": nbytes}
+        return {"rank": self.rank, "live_tensors": live, "bytes": nbytes, **self.streams.memory_stats()}
