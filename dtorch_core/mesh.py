@@ -140,6 +140,12 @@ def init_device_mesh(device_type: str, mesh_shape, *, mesh_dim_names=None, ranks
     from .runtime.session import current_session
 
     session = current_session()
+    workers_on = session.runner.device_type
+    if device_type != workers_on:
+        raise PlacementError(
+            f"a {device_type!r} mesh needs workers on {device_type!r}, but this session's run on "
+            f"{workers_on!r}; call dt.init(device_type={device_type!r}) or make the mesh with {workers_on!r}"
+        )
     mesh_shape = tuple(int(s) for s in mesh_shape)
     n = math.prod(mesh_shape)
     ranks = tuple(range(n)) if ranks is None else tuple(int(r) for r in ranks)

@@ -3,6 +3,11 @@
 A session per runner is started once (pytest groups the tests by runner, since the fixture
 behind ``runner`` is session-scoped) and reset between tests: starting worker processes for each
 of thousands of tests would cost minutes. A test that shuts the session down gets a new one.
+
+``DTORCH_TEST_DEVICE`` (default ``cpu``) runs the same tests on another device type, e.g. ``cuda``
+with the dtorch_nccl plugin installed; ``DTORCH_TEST_WORLD_SIZE`` (default 4) sets the number of
+workers (1 for the process runner on one GPU: NCCL takes one process per GPU). Results are
+always compared with plain torch on the CPU.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ import torch
 import dtorch_core as dt
 from dtorch_core.runtime import session as session_module
 
+from .helpers import DEVICE, MESH_2D, WORLD_SIZE
+
 RUNNERS = [r for r in os.environ.get("DTORCH_TEST_RUNNERS", "inline,thread,process").split(",") if r]
-WORLD_SIZE = 4
 
 
 @pytest.fixture(scope="session", params=RUNNERS)
@@ -30,7 +36,7 @@ def runner(_runner_name):
     """The runner name; a session of WORLD_SIZE devices is running for the test."""
     current = session_module._session
     if current is None or current.runner.name != _runner_name or current.world_size != WORLD_SIZE:
-        dt.init(world_size=WORLD_SIZE, runner=_runner_name)
+        dt.init(world_size=WORLD_SIZE, runner=_runner_name, device_type=DEVICE)
     session = session_module._session
     session.strict = False
     session.fallback_counts.clear()
@@ -45,16 +51,16 @@ def runner(_runner_name):
 
 @pytest.fixture
 def mesh1d(runner):
-    return dt.init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("x",))
+    return dt.init_device_mesh(DEVICE, (WORLD_SIZE,), mesh_dim_names=("x",))
 
 
 @pytest.fixture
 def mesh2d(runner):
-    return dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return dt.init_device_mesh(DEVICE, MESH_2D, mesh_dim_names=("dp", "tp"))
 
 
 @pytest.fixture(params=["1d", "2d"])
 def mesh(request, runner):
     if request.param == "1d":
-        return dt.init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("x",))
-    return dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        return dt.init_device_mesh(DEVICE, (WORLD_SIZE,), mesh_dim_names=("x",))
+    return dt.init_device_mesh(DEVICE, MESH_2D, mesh_dim_names=("dp", "tp"))

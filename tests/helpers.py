@@ -5,14 +5,26 @@ placement constants, ``distribute``/``distribute_spread``, ``assert_close``, and
 from __future__ import annotations
 
 import itertools
+import os
 import random
 
+import pytest
 import torch
 
 import dtorch_core as dt
 
 R = dt.Replicate()
 P = dt.Partial("sum")
+
+# The device type and number of workers the suite runs with (see conftest.py).
+DEVICE = os.environ.get("DTORCH_TEST_DEVICE", "cpu")
+WORLD_SIZE = int(os.environ.get("DTORCH_TEST_WORLD_SIZE", "4"))
+MESH_2D = (2, WORLD_SIZE // 2) if WORLD_SIZE % 2 == 0 else (1, WORLD_SIZE)
+
+
+def needs_world_size(n: int):
+    """Skip a test written for exactly ``n`` workers when the suite runs with another number."""
+    return pytest.mark.skipif(WORLD_SIZE != n, reason=f"written for {n} workers; DTORCH_TEST_WORLD_SIZE={WORLD_SIZE}")
 
 
 def S(d):

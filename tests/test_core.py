@@ -12,7 +12,7 @@ from dtorch_core.ops.common import R
 from dtorch_core.ops.registry import Strategy
 from dtorch_core.plugins import get_plugins
 
-from .helpers import assert_close
+from .helpers import DEVICE, assert_close, needs_world_size
 
 
 def test_metadata_without_round_trip(mesh2d):
@@ -37,6 +37,7 @@ def test_negative_shard_dim_is_normalised(mesh1d):
     assert x.placements == (dt.Shard(1),)
 
 
+@needs_world_size(4)
 def test_from_local_and_to_local(mesh1d):
     shards = [torch.full((n, 2), float(r)) for r, n in enumerate([3, 3, 3, 1])]
     x = dt.from_local(shards, mesh1d, [dt.Shard(0)])
@@ -119,9 +120,10 @@ def test_dropped_handles_free_worker_memory(mesh1d):
 
 
 # -- errors ---------------------------------------------------------------------------------
+@needs_world_size(4)
 def test_mesh_mismatch_raises_before_sending(runner):
-    m1 = dt.init_device_mesh("cpu", (2,))
-    m2 = dt.init_device_mesh("cpu", (4,))
+    m1 = dt.init_device_mesh(DEVICE, (2,))
+    m2 = dt.init_device_mesh(DEVICE, (4,))
     a = dt.distribute_tensor(torch.randn(4), m1, [dt.Shard(0)])
     b = dt.distribute_tensor(torch.randn(4), m2, [dt.Shard(0)])
     with pytest.raises(dt.MeshMismatchError, match="different meshes"):
@@ -136,7 +138,7 @@ def test_invalid_placements(mesh2d):
     with pytest.raises(dt.PlacementError):
         dt.Partial("mean")
     with pytest.raises(dt.PlacementError, match="world_size"):
-        dt.init_device_mesh("cpu", (8,))
+        dt.init_device_mesh(DEVICE, (8,))
 
 
 def test_shape_error_names_op_and_placements(mesh1d, monkeypatch):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import dtorch_core as dt
 
-from .helpers import assert_close, distribute, on_mesh
+from .helpers import DEVICE, assert_close, distribute, needs_world_size, on_mesh
 
 R, P = dt.Replicate(), dt.Partial("sum")
 S0, S1, S2 = dt.Shard(0), dt.Shard(1), dt.Shard(2)
@@ -35,7 +35,7 @@ def _fresh_session(runner, mesh_shape):
     """Reset the fixture's session (strict mode, seed) and return a mesh on it."""
     dt.set_strict(True)
     dt.manual_seed(0)
-    return dt.init_device_mesh("cpu", mesh_shape)
+    return dt.init_device_mesh(DEVICE, mesh_shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,6 +99,7 @@ def test_dropout_same_values_on_every_runner(runner, mesh, kind):
     assert torch.equal(got[0], reference[0]) and torch.equal(got[1], reference[1])
 
 
+@needs_world_size(4)
 def test_dropout_replicas_are_identical(mesh):
     # 2-D: Shard(1) over the first mesh dim, replicated over the second (ranks 0/1 and 2/3 pair up)
     spec, pairs = ((S1, R), [(0, 1), (2, 3)]) if mesh.ndim == 2 else ((R, R), [(0, 1), (0, 2), (0, 3)])

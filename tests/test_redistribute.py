@@ -9,7 +9,7 @@ import torch
 
 import dtorch_core as dt
 
-from .helpers import assert_close
+from .helpers import assert_close, needs_world_size
 
 ONE_DIM = [dt.Replicate(), dt.Shard(0), dt.Shard(1), dt.Partial("sum"), dt.Partial("max"), dt.Partial("avg")]
 
@@ -33,6 +33,7 @@ def test_all_pairs_2d(mesh2d, src):
         assert_close(y, t, msg=f"{src} -> {dst}")
 
 
+@needs_world_size(4)
 def test_local_shards_follow_torch_chunk(mesh1d):
     t = torch.arange(10.0)
     x = dt.distribute_tensor(t, mesh1d, [dt.Shard(0)])
@@ -43,6 +44,7 @@ def test_local_shards_follow_torch_chunk(mesh1d):
     assert [s.numel() for s in y.local_shards().values()] == [1, 1, 1, 0]
 
 
+@needs_world_size(4)
 def test_nested_shards_on_one_dim(mesh2d):
     t = torch.randn(9, 2)
     x = dt.distribute_tensor(t, mesh2d, [dt.Shard(0), dt.Shard(0)])
@@ -74,6 +76,7 @@ def test_redistribute_backward(mesh1d, src, dst):
         assert x.grad.placements == tuple(src)
 
 
+@needs_world_size(4)
 def test_sub_mesh_placements(mesh2d):
     t = torch.randn(6, 4)
     tp = mesh2d["tp"]
