@@ -29,18 +29,23 @@ def _status_spec(mesh: DeviceMesh) -> TensorSpec:
     return TensorSpec(mesh, (Shard(0),) * mesh.ndim, (mesh.size(), 2), (2, 1), torch.int64)
 
 
-def run_kernel(mesh: DeviceMesh, target: str, inputs: list, per_rank: dict, what: str) -> dict:
+def run_kernel(mesh: DeviceMesh, target: str, inputs: list, per_rank: dict, what: str, *,
+               writes_inputs: bool = False) -> dict:
     """Run kernel ``target`` once on every rank of ``mesh`` (a root mesh) with ``inputs`` (DTensors
     on it) and ``per_rank[rank] = (args, kwargs)``; wait for it and return ``{rank: (bytes, count)}``.
 
-    Raises CheckpointIOError naming the rank and the file when the kernel failed on a worker.
+    ``writes_inputs``: the kernel writes its inputs in place (dispatch then refuses views whose
+    writes would not reach their base, as for any in-place op). Raises CheckpointIOError naming
+    the rank and the file when the kernel failed on a worker.
     """
     session = current_session()
     mesh_id = session.mesh_id(mesh)
     base = per_rank[mesh.ranks[0]]
     rank_args = {r: v for r, v in per_rank.items() if r != mesh.ranks[0] and v != base}
     plan_id = session.new_plan_id()
-    session.emit(DefinePlan(plan_id, mesh_id, target, base[0], base[1], rank_args or None, what, False))
+    # not pure: the kernels write files or their inputs, so a captured step must keep them
+    session.define_plan(DefinePlan(plan_id, mesh_id, target, base[0], base[1], rank_args or None, what, False),
+                        pure=False)
     plan = DirectPlan(
         plan_id=plan_id,
         mesh=mesh,
@@ -51,6 +56,8 @@ def run_kernel(mesh: DeviceMesh, target: str, inputs: list, per_rank: dict, what
         rebuild=lambda outs: outs[0],
         seeded=False,
         mesh_id=mesh_id,
+        writes=tuple(range(len(inputs))) if writes_inputs else (),
+        op_name=what,
     )
     status = plan.run(session, (), {}, list(inputs))
     try:

@@ -82,5 +82,5 @@ def _read_mesh(mesh, items: list, directory: Path) -> int:
             region = spec.region(coord)
             reads.extend((slot, piece.file, piece.name, src, dst) for piece, src, dst in reads_for(region, entry.pieces))
         per_rank[rank] = (args, {"directory": str(directory), "reads": tuple(reads), "zero": tuple(zero)})
-    done = run_kernel(mesh, READ_KERNEL, [d for d, _ in items], per_rank, "checkpoint read")
+    done = run_kernel(mesh, READ_KERNEL, [d for d, _ in items], per_rank, "checkpoint read", writes_inputs=True)
     return sum(nbytes for nbytes, _ in done.values())
