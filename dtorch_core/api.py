@@ -105,6 +105,11 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements=
         raise PlacementError("distribute_tensor got a DTensor; use .redistribute() instead")
     if placements is None:
         placements = [Replicate()] * device_mesh.ndim
+    if tensor.is_meta:
+        # no values to send: the shards are allocated uninitialised on the workers, which is
+        # how parallelize_module places a meta-built model before dt.nn.materialize fills it
+        return _factory("empty", tuple(tensor.shape), device_mesh, placements, tensor.dtype,
+                        requires_grad=tensor.requires_grad)
     root = device_mesh.root
     full = root_placements(device_mesh, placements, tensor.ndim)
     data = tensor.detach()

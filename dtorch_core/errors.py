@@ -89,3 +89,8 @@ class CheckpointIOError(CheckpointError):
         super().__init__(message)
         self.rank = rank
         self.file = file
+
+
+class MaterializeError(DTorchError):
+    """A meta-built model cannot be materialised: a tensor's initial values were never recorded,
+    or its initialisation used something the workers cannot replay."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..hookspecs import hookimpl
-from . import foreach, indexing, kernels, losses, matmul, nn, pointwise, reductions, views
+from . import foreach, indexing, kernels, losses, materialize_kernel, matmul, nn, pointwise, reductions, views
 
 
 @hookimpl
@@ -15,3 +15,4 @@ def dtorch_register_ops(registry) -> None:
 @hookimpl
 def dtorch_register_kernels(registry) -> None:
     kernels.register(registry)
+    materialize_kernel.register(registry)
