@@ -30,21 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _streams  # noqa: E402  (bench-local helper, shared with dispatch.py)
-
-
-def _write_json(path: str, value) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(value, f, indent=2)
-    os.replace(tmp, path)  # the parent never sees a half-written file
-
-
-def _wait_for(path: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"anchor: no {os.path.basename(path)} from bench/dispatch.py in {timeout:.0f}s")
-        time.sleep(0.002)
+from _torchrun import wait_for as _wait_for, write_json as _write_json  # noqa: E402
 
 
 def main() -> None:

@@ -25,11 +25,8 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import platform  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -41,6 +38,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(1, REPO_ROOT)  # run from a checkout without installing dtorch-core
 
 import _streams  # noqa: E402
+from _torchrun import TorchrunAnchor  # noqa: E402
 
 ANCHOR = os.path.join(BENCH_DIR, "_dtensor_anchor.py")
 
@@ -195,101 +193,18 @@ def profile_dtorch(runner: str, world: int, ops: int, warmup: int, top: int) -> 
 # ---------------------------------------------------------------------------------------------
 # PyTorch DTensor anchor (torchrun subprocess on 127.0.0.1, driven round by round)
 # ---------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class DTensorAnchor:
-    """``torchrun --nproc_per_node world bench/_dtensor_anchor.py`` on 127.0.0.1.
+class DTensorAnchor(TorchrunAnchor):
+    """``torchrun --nproc_per_node world bench/_dtensor_anchor.py`` (see bench/_torchrun.py).
 
     It starts at once (its start-up overlaps ours), warms up, then runs one timed round each
     time ``round`` asks for it, so its rounds interleave with the other sides'.
     """
 
     def __init__(self, world: int, ops: int, rounds: int, warmup: int, timeout: float):
-        self.timeout = timeout
-        self.tmp = tempfile.TemporaryDirectory(prefix="dtorch-bench-")
-        self.dir = self.tmp.name
-        env = dict(os.environ)
-        env["OMP_NUM_THREADS"] = "1"
-        env["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo on the loopback interface
-        env["MASTER_ADDR"] = "127.0.0.1"
-        self.cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", "1", "--nproc_per_node", str(world),
-            "--master_addr", "127.0.0.1", "--master_port", "0",
-            ANCHOR, "--ops", str(ops), "--rounds", str(rounds), "--warmup", str(warmup),
-            "--sync-dir", self.dir, "--wait-timeout", str(timeout),
-        ]
-        self.env = env
-        self.proc = None
-        self.log = None
-        self.attempts = 0
-        self._start()
-
-    def _start(self) -> None:
-        self._stop()
-        self.attempts += 1
-        self.cmd[self.cmd.index("--master_port") + 1] = str(_free_port())
-        self.log = open(os.path.join(self.dir, f"torchrun-{self.attempts}.log"), "w")
-        # Own session, so a Ctrl-C meant for the bench reaches torchrun only through _stop.
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def _stop(self) -> None:
-        """End our torchrun (it ends its ranks on SIGTERM) and close its log."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        if self.log is not None:
-            self.log.close()
-            self.log = None
-
-    def _log_tail(self) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()[-4000:]
-
-    def _wait(self, name: str) -> str:
-        path = os.path.join(self.dir, name)
-        deadline = time.monotonic() + self.timeout
-        while not os.path.exists(path):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"DTensor anchor exited ({self.proc.returncode}):\n{self._log_tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"DTensor anchor: no {name} within {self.timeout:.0f}s:\n{self._log_tail()}")
-            time.sleep(0.002)
-        return path
-
-    def wait_ready(self) -> None:
-        try:
-            self._wait("ready")
-        except RuntimeError:
-            if self.attempts >= 2 or self.proc.poll() is None:
-                raise
-            self._start()  # it exited early: most likely the probed port was taken meanwhile
-            self._wait("ready")
+        super().__init__(ANCHOR, ["--ops", ops, "--rounds", rounds, "--warmup", warmup], world, timeout)
 
     def round(self, r: int, stream: str) -> float:
-        open(os.path.join(self.dir, f"go-{r}-{stream}"), "w").close()
-        with open(self._wait(f"done-{r}-{stream}.json")) as f:
-            return json.load(f)["us_per_op"]
-
-    def finish(self) -> dict:
-        with open(self._wait("final.json")) as f:
-            final = json.load(f)
-        self.proc.wait(timeout=self.timeout)
-        return final
-
-    def close(self) -> None:
-        self._stop()
-        self.tmp.cleanup()
+        return self.run_round(r, stream)["us_per_op"]
 
 
 # ---------------------------------------------------------------------------------------------
