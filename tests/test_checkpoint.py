@@ -2,8 +2,9 @@
 state, compared with a torch model that never went through a checkpoint; crashes during save;
 loading into the wrong model or from an incomplete directory.
 
-The meshes go 2x2 -> 4x1 -> 1x1, where 1x1 is a plain torch model (the controller reads the
-workers' files itself): the case of a user who trains distributed and evaluates on one device.
+The meshes go 2x2 -> 4x1 -> 1x1 (``MESH_2D`` -> ``(WORLD_SIZE, 1)`` when the suite runs with
+another number of workers), where 1x1 is a plain torch model (the controller reads the workers'
+files itself): the case of a user who trains distributed and evaluates on one device.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import dtorch_core as dt
 from dtorch_core.checkpoint import publish
 from dtorch_core.checkpoint import saving as save_module
 
-from .helpers import P, R, S, assert_close
+from .helpers import DEVICE, MESH_2D, WORLD_SIZE, P, R, S, assert_close
 
 
 class Net(nn.Module):
@@ -119,7 +120,7 @@ def test_round_trip_2x2_to_4x1_to_plain_with_adamw(runner, tmp_path):
     ref_opt = adamw(ref)
     xs = [torch.randn(6, 5) for _ in range(3)]
 
-    mesh22 = dt.init_device_mesh("cpu", (2, 2))
+    mesh22 = dt.init_device_mesh(DEVICE, MESH_2D)
     model = distributed(copy.deepcopy(ref), mesh22, LAYOUT_2X2)
     opt = adamw(model)
     step(model, opt, xs[0])
@@ -129,11 +130,11 @@ def test_round_trip_2x2_to_4x1_to_plain_with_adamw(runner, tmp_path):
     saved_exp_avg = opt.state[model.fc1.weight]["exp_avg"].full_tensor()
     assert_pieces_written_once(tmp_path / "a")
     files = sorted(os.listdir(tmp_path / "a"))
-    assert files == ["controller.safetensors", "index.json"] + [f"rank-{r:05d}.safetensors" for r in range(4)]
+    assert files == ["controller.safetensors", "index.json"] + [f"rank-{r:05d}.safetensors" for r in range(WORLD_SIZE)]
     assert sorted(os.listdir(tmp_path)) == ["a"]  # no temporary directory left behind
 
     # 4x1, other placements, other initial values, a fresh optimizer with another lr
-    mesh41 = dt.init_device_mesh("cpu", (4, 1))
+    mesh41 = dt.init_device_mesh(DEVICE, (WORLD_SIZE, 1))
     torch.manual_seed(1)
     model = distributed(Net(), mesh41, LAYOUT_4X1)
     opt = adamw(model, lr=0.5)
@@ -165,7 +166,7 @@ def test_round_trip_2x2_to_4x1_to_plain_with_adamw(runner, tmp_path):
 def test_optimizer_state_of_every_kind_round_trips(runner, tmp_path):
     """A DTensor ``step``, a plain one, a non-tensor value, and state saved from a 2x2 mesh that
     the optimizer does not have yet when loading on 4x1 (created laid out like its parameter)."""
-    mesh22 = dt.init_device_mesh("cpu", (2, 2))
+    mesh22 = dt.init_device_mesh(DEVICE, MESH_2D)
     model = distributed(Net(), mesh22, LAYOUT_2X2)
     opt = adamw(model)
     step(model, opt, torch.randn(3, 5))
@@ -173,7 +174,7 @@ def test_optimizer_state_of_every_kind_round_trips(runner, tmp_path):
     opt.state[model.fc2.bias]["note"] = [1, "two"]
     dt.checkpoint.save(model, opt, tmp_path / "c")
 
-    mesh41 = dt.init_device_mesh("cpu", (4, 1))
+    mesh41 = dt.init_device_mesh(DEVICE, (WORLD_SIZE, 1))
     model2 = distributed(Net(), mesh41, LAYOUT_4X1)
     opt2 = adamw(model2)
     dt.checkpoint.load(model2, opt2, tmp_path / "c")
@@ -189,7 +190,7 @@ def test_optimizer_state_of_every_kind_round_trips(runner, tmp_path):
 
 
 def test_loading_another_model_names_missing_unexpected_and_mismatched_keys(runner, tmp_path):
-    mesh22 = dt.init_device_mesh("cpu", (2, 2))
+    mesh22 = dt.init_device_mesh(DEVICE, MESH_2D)
     model = distributed(Net(), mesh22, LAYOUT_2X2)
     dt.checkpoint.save(model, adamw(model), tmp_path / "c")
 
@@ -233,7 +234,7 @@ def test_tied_weights_are_written_once(tmp_path):
 def test_failed_write_on_a_worker_keeps_the_last_checkpoint(runner, tmp_path, monkeypatch):
     """A worker whose file cannot be written: the save raises naming the rank and the file, and
     the previous checkpoint at the path is untouched and loads."""
-    mesh22 = dt.init_device_mesh("cpu", (2, 2))
+    mesh22 = dt.init_device_mesh(DEVICE, MESH_2D)
     model = distributed(Net(), mesh22, LAYOUT_2X2)
     opt = adamw(model)
     path = tmp_path / "ckpt"
