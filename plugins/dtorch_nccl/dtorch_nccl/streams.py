@@ -1,0 +1,102 @@
+"""CUDA worker streams: compute on one stream, communication on another, ordered with events.
+
+A worker runs its batches on its compute stream. A collective runs on its communication stream
+after the compute issued before it (``comm.wait_stream(compute)``), and compute does not wait for
+it until it touches a tensor the collective uses: the collective's input (so compute cannot
+overwrite it while it is being sent) or its output. Compute that touches neither - the next
+layer's matmuls while a gradient is all-reduced - overlaps the collective.
+
+Memory: a collective's input was allocated on the compute stream and is read on the
+communication stream, and its output the other way round; ``record_stream`` tells the caching
+allocator, so neither block is handed out again while the other stream may still use it.
+
+Everything here is also legal inside CUDA graph capture (no host synchronisation, no event
+queries): ``communicate`` forks the communication stream from compute with an event and
+``join`` joins it back, which is the fork/join pattern capture accepts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dtorch_core.runtime.streams import WorkerStreams
+
+from .device import device_for_rank, memory_stats
+
+
+class CudaStreams(WorkerStreams):
+    """A compute stream and a communication stream on one CUDA device."""
+
+    @classmethod
+    def device_for(cls, device_type: str, rank: int) -> torch.device:
+        return device_for_rank(rank)
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.compute = torch.cuda.Stream(device)
+        # high priority: a collective's kernels start ahead of queued compute that does not need
+        # them, so the compute that does waits less
+        self.comm = torch.cuda.Stream(device, priority=-1)
+        self.outstanding = False
+        self._in_flight: set[int] = set()  # storages communication uses that compute has not waited for
+        self._comm_done: torch.cuda.Event | None = None
+
+    def claim_process(self) -> None:
+        torch.cuda.set_device(self.device)
+
+    def run(self, fn):
+        with torch.cuda.stream(self.compute):  # also makes self.device current in this thread
+            return fn()
+
+    def communicate(self, fn, value):
+        comm = self.comm
+        comm.wait_stream(self.compute)
+        with torch.cuda.stream(comm):
+            result = fn()
+        in_flight = self._in_flight
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            value.record_stream(comm)
+            in_flight.add(value.untyped_storage().data_ptr())
+        if isinstance(result, torch.Tensor) and result.is_cuda:
+            result.record_stream(self.compute)
+            in_flight.add(result.untyped_storage().data_ptr())
+        in_flight.discard(0)  # empty tensors have no memory to guard
+        done = torch.cuda.Event()
+        done.record(comm)
+        self._comm_done = done
+        self.outstanding = True
+        return result
+
+    def join_reads(self, values) -> None:
+        in_flight = self._in_flight
+        for v in values:
+            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in in_flight:
+                self.join()
+                return
+
+    def join(self) -> None:
+        """Make compute wait for every collective issued so far (events on one stream complete
+        in order, so the last one stands for all)."""
+        if self._comm_done is not None:
+            self.compute.wait_event(self._comm_done)
+            self._comm_done = None
+        self._in_flight.clear()
+        self.outstanding = False
+
+    def to_host(self, value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if self.outstanding:
+            self.join_reads((value,))
+        with torch.cuda.stream(self.compute):
+            # a blocking copy: it waits for the compute stream, so the controller (another thread
+            # or process, on other streams) reads finished data
+            return value.to("cpu")
+
+    def synchronize(self) -> None:
+        self.join()
+        self.compute.synchronize()
+        self.comm.synchronize()
+
+    def memory_stats(self) -> dict:
+        return memory_stats(self.device)
