@@ -24,8 +24,17 @@ def data_parallel(module: nn.Module, device_mesh: DeviceMesh, *, batch_dim: int 
     Parameters already distributed on the same root mesh (e.g. by ``parallelize_module`` on
     ``mesh["tp"]``) keep their placements: they are replicated over the dp dim already.
     """
+    check_data_parallel_mesh(module, device_mesh, "data_parallel")
+    replicate_rest(module, device_mesh)
+    shard_batch_inputs(module, device_mesh, batch_dim)
+    return module
+
+
+def check_data_parallel_mesh(module: nn.Module, device_mesh: DeviceMesh, what: str) -> None:
+    """Raise unless ``device_mesh`` is 1-D and every distributed parameter of ``module`` lives on
+    its root mesh, replicated over it."""
     if device_mesh.ndim != 1:
-        raise PlacementError(f"data_parallel needs a 1-D mesh (e.g. mesh['dp']), got {device_mesh!r}")
+        raise PlacementError(f"{what} needs a 1-D mesh (e.g. mesh['dp']), got {device_mesh!r}")
     for p in module.parameters():
         if isinstance(p, DTensor) and p._spec.mesh != device_mesh.root:
             raise PlacementError(
@@ -34,14 +43,18 @@ def data_parallel(module: nn.Module, device_mesh: DeviceMesh, *, batch_dim: int 
             )
         if isinstance(p, DTensor) and not isinstance(p._spec.placements[device_mesh.dims_in_root[0]], Replicate):
             raise PlacementError(f"a parameter is {p.placements} on the data-parallel dim; it must be Replicate")
-    replicate_rest(module, device_mesh)
+
+
+def shard_batch_inputs(module: nn.Module, device_mesh: DeviceMesh, batch_dim: int = 0):
+    """Shard the batch dim of every tensor positional input of ``module`` over the 1-D
+    ``device_mesh`` (a forward pre-hook; a plain tensor is distributed, a DTensor redistributed).
+    Returns the hook's handle."""
     dim = device_mesh.dims_in_root[0]
 
     def shard_batch(_module, args):
         return tuple(_shard(a, device_mesh, dim, batch_dim) for a in args)
 
-    module.register_forward_pre_hook(shard_batch)
-    return module
+    return module.register_forward_pre_hook(shard_batch)
 
 
 def _shard(x, mesh: DeviceMesh, root_dim: int, batch_dim: int):

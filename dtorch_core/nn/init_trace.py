@@ -36,6 +36,7 @@ import threading
 import attrs
 import structlog
 import torch
+from torch.utils._pytree import tree_leaves
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
@@ -204,7 +205,7 @@ class InitTrace:
     # -- recording --------------------------------------------------------------------------
     def record_op(self, func, args, kwargs, out) -> None:
         name = func._schema.name.split("::")[-1]
-        ins = [t for t in _tensors((args, kwargs))]
+        ins = _tensors((args, kwargs))
         outs = _tensors(out)
         if not any(t.is_meta for t in ins) and not any(o.is_meta for o in outs):
             if torch.Tag.nondeterministic_seeded in func.tags:
@@ -360,14 +361,9 @@ def _peak_bytes(kept, storages) -> int:
     return peak
 
 
+
 def _tensors(x) -> list:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if type(x) in (tuple, list):
-        return [t for a in x for t in _tensors(a)]
-    if type(x) is dict:
-        return [t for a in x.values() for t in _tensors(a)]
-    return []
+    return [t for t in tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
 def _devices(ts) -> str:
@@ -513,3 +509,4 @@ def meta_init():
     trace = InitTrace(torch.get_rng_state())
     with torch.device("meta"), recording(trace):
         yield trace
+

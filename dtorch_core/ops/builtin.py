@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..hookspecs import hookimpl
-from . import foreach, indexing, kernels, losses, materialize_kernel, matmul, nn, pointwise, reductions, views
+from . import (foreach, indexing, kernels, losses, materialize_kernel, matmul, nn, pointwise, reductions,
+               storage_kernels, views)
 
 
 @hookimpl
@@ -16,3 +17,4 @@ def dtorch_register_ops(registry) -> None:
 def dtorch_register_kernels(registry) -> None:
     kernels.register(registry)
     materialize_kernel.register(registry)
+    storage_kernels.register(registry)
