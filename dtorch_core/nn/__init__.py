@@ -1,7 +1,11 @@
-"""Tensor-parallel building blocks: parallel styles and ``parallelize_module``."""
+"""Module-level parallelism: parallel styles and ``parallelize_module``, data parallel and fully
+sharded parameters, and initialisation of meta-built models on the workers (``materialize``)."""
 
 from .data_parallel import data_parallel
+from .fully_shard import fully_shard
+from .init_trace import meta_init
 from .loss import loss_parallel
+from .materialize import materialize
 from .parallelize import parallelize_module
 from .styles import (
     ColwiseParallel,
@@ -20,6 +24,9 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "data_parallel",
+    "fully_shard",
     "loss_parallel",
+    "materialize",
+    "meta_init",
     "parallelize_module",
 ]
