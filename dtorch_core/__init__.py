@@ -7,7 +7,7 @@ are handles; ops on them are planned here and run asynchronously on the workers.
 from __future__ import annotations
 
 from . import dispatch as _dispatch  # noqa: F401  (installs DTensor's dispatcher)
-from . import checkpoint, errors, nn
+from . import checkpoint, errors, nn, optim
 from .api import (
     arange,
     distribute_tensor,
@@ -83,6 +83,7 @@ __all__ = [
     "memory_stats",
     "nn",
     "ones",
+    "optim",
     "rand",
     "randn",
     "set_strict",

@@ -170,7 +170,7 @@ class CompiledFunction:
             elif x is None or type(x) in (int, float, bool, str, torch.dtype, torch.device):
                 key.append((type(x), x))
             else:
-                key.append(("object", id(x)))  # models and optimizers: the same object each call
+                key.append(_object_guard(x))
         return tuple(key)
 
     @property
@@ -280,6 +280,21 @@ class CompiledFunction:
         self._captured.clear()
 
 
+def _object_guard(x):
+    """Objects are the same object each call; the settings a step reads from them must match too.
+
+    An optimizer's hyper-parameters (a scheduler's new ``lr``) and a module's train/eval mode
+    are Python values the captured step froze, so a change re-captures.
+    """
+    if isinstance(x, torch.optim.Optimizer):
+        return ("optimizer", id(x), tuple(
+            tuple((k, v) for k, v in group.items() if k != "params" and type(v) in (int, float, bool, str, tuple))
+            for group in x.param_groups))
+    if isinstance(x, torch.nn.Module):
+        return ("module", id(x), x.training)
+    return ("object", id(x))
+
+
 def _explain(old_key, new_key, leaves) -> str:
     if len(old_key) != len(new_key):
         return f"{len(old_key)} argument leaves captured, {len(new_key)} given"
@@ -290,6 +305,8 @@ def _explain(old_key, new_key, leaves) -> str:
                 spec = a[0]
                 return (f"argument {i} is {tuple(x.shape)} {x.dtype} {list(x.placements)}; captured with "
                         f"{tuple(spec.shape)} {spec.dtype} {list(spec.placements)}")
+            if a[0] in ("optimizer", "module"):
+                return f"argument {i} ({type(x).__name__}) has other settings than when captured ({a[2]!r} then)"
             return f"argument {i} is {x!r}, captured with {a[1]!r}"
     return "same inputs"
 
