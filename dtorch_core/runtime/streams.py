@@ -6,7 +6,7 @@ The streams registry (hook ``dtorch_register_streams``) maps a device type to a 
 - runs every batch inside ``run`` (the runner wraps its batch loop in it),
 - runs every communicating collective inside ``communicate``,
 - calls ``join_reads`` before a kernel or local step reads tensors, while ``outstanding``,
-- hands the controller ``to_host`` copies of the tensors it fetches,
+- takes the controller's tensors through ``to_device`` and hands it ``to_host`` copies,
 - merges ``memory_stats`` into its statistics, after ``synchronize``.
 
 The base class is the CPU behaviour: everything runs in order on the worker's own thread, so
@@ -52,6 +52,10 @@ class WorkerStreams:
 
     def join_reads(self, values) -> None:
         """Make compute wait for outstanding communication that uses any of ``values``."""
+
+    def to_device(self, value: torch.Tensor) -> torch.Tensor:
+        """A tensor the controller sent (``Put``), on this device and safe to use in compute."""
+        return value.to(self.device) if value.device != self.device else value
 
     def to_host(self, value: torch.Tensor) -> torch.Tensor:
         """A copy of ``value`` the controller may read from another thread or process."""

@@ -161,7 +161,7 @@ class Worker:
         elif t is Put:
             shard = ins.shards.get(self.rank)
             if shard is not None:
-                self.store[ins.tid] = shard.to(self.device) if shard.device != self.device else shard
+                self.store[ins.tid] = self.streams.to_device(shard)
         elif t is Fetch:
             if self.rank in ins.ranks:
                 value = self.store.get(ins.tid)

@@ -83,6 +83,20 @@ class CudaStreams(WorkerStreams):
         self._in_flight.clear()
         self.outstanding = False
 
+    def to_device(self, value):
+        if value.device == self.device:
+            # made by the controller itself on this GPU (thread runner): on its stream, which
+            # is the default one unless the user's program chose another
+            self.compute.wait_stream(torch.cuda.default_stream(self.device))
+            value.record_stream(self.compute)
+            return value
+        if value.device.type == "cpu":
+            # through pinned memory the copy is asynchronous: a blocking one would make the
+            # worker wait for all compute queued before it (the pinned block is held by torch's
+            # host allocator until the copy is done)
+            return value.pin_memory().to(self.device, non_blocking=True)
+        return value.to(self.device)
+
     def to_host(self, value):
         if not isinstance(value, torch.Tensor):
             return value

@@ -9,6 +9,8 @@ value or a wrong time, not as a rare race.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import requires_gpu
@@ -157,3 +159,27 @@ def test_to_host_waits_for_the_collective(streams, cycles):
     _, host = _timed(streams, body)
     assert host.device.type == "cpu"
     assert torch.equal(host, torch.arange(1000.0) * 3)
+
+
+def test_to_device_does_not_wait_for_queued_compute(streams, cycles):
+    host = torch.arange(float(1 << 20))
+
+    def body():
+        torch.cuda._sleep(cycles)  # compute is busy for SLEEP_MS
+        t0 = time.perf_counter()
+        on_gpu = streams.to_device(host)
+        return on_gpu, (time.perf_counter() - t0) * 1e3
+
+    _, (on_gpu, issue_ms) = _timed(streams, body)
+    assert issue_ms < SLEEP_MS / 2, f"the worker waited {issue_ms:.1f} ms for compute to drain"
+    assert torch.equal(on_gpu.cpu(), host)
+
+
+def test_to_device_orders_after_the_controllers_stream(streams, cycles):
+    dev = streams.device
+    ones = torch.ones(1 << 20, device=dev)
+    torch.cuda._sleep(cycles)  # this thread's (the controller's) default stream is busy
+    made = ones * 5  # finished only after the sleep
+
+    _, out = _timed(streams, lambda: streams.to_device(made) + 1)
+    assert torch.equal(out.cpu(), torch.full((1 << 20,), 6.0))
