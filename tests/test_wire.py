@@ -31,6 +31,7 @@ from dtorch_core.graph.instructions import (
     Delete,
     DropProgram,
     Fetch,
+    MergedAllReduce,
     Put,
     Reply,
     RunProgram,
@@ -172,6 +173,7 @@ def realistic_instructions() -> list:
         ),
         RunProgram(2, (90,), (91,), 2**61, 12),
         DropProgram(2),
+        MergedAllReduce(1, 0, "sum", (45, 46, 47), (48, 49, 50)),
     ]
 
 
@@ -204,7 +206,7 @@ def test_every_instruction_class_has_a_stable_code():
     expected = {
         "Slot": 0, "DefineMesh": 1, "DefinePlan": 2, "Call": 3, "Collective": 4, "Put": 5,
         "Delete": 6, "Fetch": 7, "Stats": 8, "Reply": 9, "WorkerFailure": 10,
-        "DefineProgram": 11, "RunProgram": 12, "DropProgram": 13,
+        "DefineProgram": 11, "RunProgram": 12, "DropProgram": 13, "MergedAllReduce": 14,
     }
     assert {cls.__name__: info.code for cls, info in wire._CLASSES.items()} == expected  # never renumber
     codes = [code for code, _ in wire._DTYPE_TABLE]
@@ -602,7 +604,7 @@ def test_kind_must_match_the_content():
         (b"\x93\x01\x02", ["list of 3 values runs past"]),
         (b"\x92\x01\xc5\x00", ["runs past the end of the body"]),
         (b"\x01\x02", ["1 bytes of trailing garbage", "offset 17"]),
-        (b"\xfe\x03\x01\x02\x03", ["unknown class code 14"]),
+        (b"\xff\x03\x01\x02\x03", ["unknown class code 15"]),
         (b"\xd9\x00\x01\x01\x00", ["unknown class code 256"]),
         (b"\xf3\x02\x01\x80", ["Call with 2 fields, expected 5"]),
         (b"\xf0\x00", ["Slot with 0 fields"]),

@@ -145,13 +145,14 @@ class CompiledFunction:
     """``fn`` captured per input signature and replayed; see :func:`compile`."""
 
     def __init__(self, fn, *, warmup: int = 1, verify: bool = True, recapture: bool = True,
-                 max_programs: int = 8):
+                 max_programs: int = 8, merge_collectives: bool = True):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.warmup = warmup
         self.verify = verify
         self.recapture = recapture
         self.max_programs = max_programs
+        self.merge_collectives = merge_collectives
         self._captured: collections.OrderedDict = collections.OrderedDict()
         self.replays = 0
 
@@ -218,7 +219,8 @@ class CompiledFunction:
             elif isinstance(x, torch.Tensor):
                 raise CaptureError(f"{self._name} returns a torch.Tensor; a replay can only return distributed "
                                    "tensors (return the DTensor and read it after the call)")
-        program = build_program(rec, inputs, outputs, session.pure_plans, _describe(session))
+        program = build_program(rec, inputs, outputs, session.pure_plans, _describe(session),
+                                merge=self.merge_collectives)
         if self.verify and entry.draft is None:
             entry.draft = program
             return result
@@ -230,7 +232,7 @@ class CompiledFunction:
         entry.out_tree = out_tree
         entry.out_leaves = tuple(_OutTensor(x._spec, x._view) if type(x) is DTensor else x for x in out_leaves)
         log.info("step captured", function=self._name, instructions=len(program.instructions),
-                 recorded=program.recorded, eliminated=program.eliminated)
+                 recorded=program.recorded, eliminated=program.eliminated, merged=program.merged)
         return result
 
     def _check_same(self, session, a: Program, b: Program) -> None:
@@ -311,18 +313,21 @@ def _explain(old_key, new_key, leaves) -> str:
     return "same inputs"
 
 
-def compile(fn=None, *, warmup: int = 1, verify: bool = True, recapture: bool = True, max_programs: int = 8):
+def compile(fn=None, *, warmup: int = 1, verify: bool = True, recapture: bool = True, max_programs: int = 8,
+            merge_collectives: bool = True):
     """Capture ``fn`` once and replay it as one message per call.
 
     ``warmup`` calls run eagerly first (so lazily created state exists), then one call is recorded
     and, with ``verify``, one more to check that each call issues the same work. Later calls with
     inputs of the same specs replay. Other inputs re-capture (at most ``max_programs`` kept per
-    function) or, with ``recapture=False``, raise :class:`GuardError`.
+    function) or, with ``recapture=False``, raise :class:`GuardError`. ``merge_collectives``
+    lets the program run small all-reduces that can go together as one exchange.
     """
+    options = dict(warmup=warmup, verify=verify, recapture=recapture, max_programs=max_programs,
+                   merge_collectives=merge_collectives)
     if fn is None:
-        return functools.partial(compile, warmup=warmup, verify=verify, recapture=recapture,
-                                 max_programs=max_programs)
-    return CompiledFunction(fn, warmup=warmup, verify=verify, recapture=recapture, max_programs=max_programs)
+        return functools.partial(compile, **options)
+    return CompiledFunction(fn, **options)
 
 
 class CapturedGraph:

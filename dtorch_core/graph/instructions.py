@@ -75,6 +75,21 @@ class Collective:
     dim2: int = 0  # destination tensor dim for all_to_all
 
 
+@attrs.frozen
+class MergedAllReduce:
+    """All-reduces of several tensors along one mesh dim as one exchange per dtype.
+
+    Made by the program optimiser from small all-reduces that a captured step can run together
+    (``srcs[i]`` -> ``dsts[i]``); the values equal those of the separate all-reduces.
+    """
+
+    mesh_id: int
+    mesh_dim: int
+    reduce_op: str
+    srcs: tuple
+    dsts: tuple
+
+
 COLLECTIVE_KINDS = ("alias", "all_gather", "all_reduce", "reduce_scatter", "local_chunk", "to_partial", "all_to_all")
 COMMUNICATING_KINDS = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
 

@@ -6,6 +6,8 @@ ones), numbers its seeded calls (so each replay draws fresh, reproducible random
 checks that the step can run again from its own results, and optimises it once:
 
 - dead-instruction elimination: side-effect-free work whose results nothing uses is dropped;
+- merging of small all-reduces: all-reduces along the same mesh dim that can be moved to one
+  point without crossing a use of their result or a write to their input become one exchange;
 - freeing at last use: a temporary is deleted right after the last instruction that touches it,
   instead of when the controller's handle happened to die (lower peak memory than eager).
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 import attrs
 
 from ..errors import CaptureError
-from .instructions import VIRTUAL_BASE, Call, Collective, Delete, Put, program_seed
+from .instructions import VIRTUAL_BASE, Call, Collective, Delete, MergedAllReduce, Put, program_seed
 
 _OUTPUT_BASE = VIRTUAL_BASE + (1 << 40)
 _BODY_TYPES = (Call, Collective, Put, Delete)
@@ -49,6 +51,7 @@ class Program:
     signature: tuple  # the recording with ids named by role, for ``check_same``
     recorded: int  # instructions recorded
     eliminated: int  # instructions dead-code elimination removed
+    merged: int  # all-reduces merged into others
 
 
 def reads_of(ins) -> tuple:
@@ -57,6 +60,8 @@ def reads_of(ins) -> tuple:
         return ins.inputs
     if t is Collective:
         return (ins.src,)
+    if t is MergedAllReduce:
+        return ins.srcs
     return ()
 
 
@@ -68,6 +73,8 @@ def writes_of(ins) -> tuple:
         return (ins.dst,)
     if t is Put:
         return (ins.tid,)
+    if t is MergedAllReduce:
+        return ins.dsts
     return ()
 
 
@@ -87,7 +94,7 @@ def rename(ins, ids: dict):
     return ins
 
 
-def build_program(rec: Recording, input_tids, output_tids, pure_plans, describe) -> Program:
+def build_program(rec: Recording, input_tids, output_tids, pure_plans, describe, *, merge: bool = True) -> Program:
     """Turn ``rec`` into a Program whose inputs are ``input_tids`` and outputs ``output_tids``.
 
     ``pure_plans``: plan ids whose calls write nothing but their fresh outputs (safe to drop when
@@ -115,9 +122,10 @@ def build_program(rec: Recording, input_tids, output_tids, pure_plans, describe)
     _check_rerunnable(body, made, released, set(ids.values()), describe)
     signature = _signature(body, made)
     kept = _eliminate_dead(body, made, released, set(outputs), pure_plans)
-    final = _free_at_last_use(kept, made, released, set(outputs))
+    merged = _merge_all_reduces(kept, pure_plans) if merge else kept
+    final = _free_at_last_use(merged, made, released, set(outputs))
     return Program(tuple(final), tuple(VIRTUAL_BASE + k for k in range(len(input_tids))), tuple(outputs),
-                   seeds, signature, len(body), len(body) - len(kept))
+                   seeds, signature, len(body), len(body) - len(kept), len(kept) - len(merged))
 
 
 def _number_seeds(body, rec):
@@ -219,6 +227,105 @@ def _eliminate_dead(body, made, released, outputs, pure_plans) -> list:
         kept.append(ins)
     kept.reverse()
     return kept
+
+
+def _alias_classes(body, pure_plans) -> dict:
+    """tensor id -> a representative of the ids that may share its memory.
+
+    Conservative: an impure call (in place, or returning a view) joins all its inputs and
+    outputs; alias and local_chunk steps join source and destination.
+    """
+    parent: dict = {}
+
+    def find(x):
+        root = x
+        while parent.get(root, root) != root:
+            root = parent[root]
+        while x != root:
+            parent[x], x = root, parent.get(x, x)
+        return root
+
+    def join(ids):
+        ids = [find(i) for i in ids if i >= 0]
+        for other in ids[1:]:
+            parent[other] = ids[0]
+
+    for ins in body:
+        t = type(ins)
+        if t is Call and ins.plan_id not in pure_plans:
+            join(tuple(ins.inputs) + tuple(ins.outputs))
+        elif t is Collective and ins.kind in ("alias", "local_chunk"):
+            join((ins.src, ins.dst))
+    return {tid: find(tid) for tid in list(parent)}
+
+
+def _merge_all_reduces(body, pure_plans) -> list:
+    """Merge all-reduces along one mesh dim that can all run at one point of the program.
+
+    Each all-reduce may move back to just after the last instruction that makes or writes
+    (memory shared with) its input, and forward to just before the first instruction that reads
+    its result or writes its input. Groups are chosen greedily by the earliest latest point.
+    """
+    classes = _alias_classes(body, pure_plans)
+
+    def cls(tid):
+        return classes.get(tid, tid)
+
+    def written(ins) -> set:
+        if type(ins) is Call and ins.plan_id not in pure_plans:
+            return {cls(t) for t in ins.inputs} | {cls(t) for t in ins.outputs if t >= 0}
+        return {cls(t) for t in writes_of(ins)}
+
+    writes = [written(ins) for ins in body]
+    reads = [{cls(t) for t in reads_of(ins)} for ins in body]
+    spans = []
+    for j, ins in enumerate(body):
+        if type(ins) is not Collective or ins.kind != "all_reduce":
+            continue
+        src, dst = cls(ins.src), cls(ins.dst)
+        early = j
+        while early > 0 and type(body[early - 1]) is not Delete and src not in writes[early - 1]:
+            early -= 1
+        late = j + 1
+        while late < len(body) and type(body[late]) is not Delete and src not in writes[late] \
+                and dst not in reads[late]:
+            late += 1
+        spans.append((late, early, j))
+    if len(spans) < 2:
+        return body
+    placed: dict = {}  # slot (before body[slot]) -> groups of body indices
+    grouped: set = set()
+    for late, _, j in sorted(spans):
+        if j in grouped:
+            continue
+        ins = body[j]
+        group = [j]
+        dsts = {ins.dst}
+        for late2, early2, k in sorted(spans):
+            other = body[k]
+            if k in grouped or k == j or not (early2 <= late <= late2):
+                continue
+            if (other.mesh_id, other.mesh_dim, other.reduce_op) != (ins.mesh_id, ins.mesh_dim, ins.reduce_op):
+                continue
+            if other.src in dsts or any(body[g].src == other.dst for g in group):
+                continue
+            group.append(k)
+            dsts.add(other.dst)
+        if len(group) > 1:
+            grouped.update(group)
+            placed.setdefault(late, []).append(sorted(group))
+    if not placed:
+        return body
+    out = []
+    for i in range(len(body) + 1):
+        for group in placed.get(i, ()):
+            members = [body[g] for g in group]
+            first = members[0]
+            out.append(MergedAllReduce(first.mesh_id, first.mesh_dim, first.reduce_op,
+                                       tuple(m.src for m in members), tuple(m.dst for m in members)))
+        if i < len(body) and i not in grouped:
+            out.append(body[i])
+    return out
 
 
 def _free_at_last_use(body, made, released, outputs) -> list:

@@ -111,6 +111,7 @@ _CLASS_TABLE = (
     (11, "DefineProgram"),
     (12, "RunProgram"),
     (13, "DropProgram"),
+    (14, "MergedAllReduce"),
 )
 
 # Field types checked on decode come from each class's annotations; ``Any`` and unknown names

@@ -25,6 +25,7 @@ from ..graph.instructions import (
     Delete,
     DropProgram,
     Fetch,
+    MergedAllReduce,
     Put,
     Reply,
     RunProgram,
@@ -186,6 +187,8 @@ class Worker:
                 store[tid] = value if value is not None else self._lookup(pid)
             for pid in ins.drop:
                 store.pop(pid, None)
+        elif t is MergedAllReduce:
+            self._merged_all_reduce(ins)
         elif t is DefineProgram:
             self._define_program(ins)
         elif t is DropProgram:
@@ -321,15 +324,57 @@ class Worker:
         compute = functools.partial(_compute_collective, ins, self.rank)
         result = self.streams.communicate(functools.partial(self.exchange.exchange, key, index, size, x, compute), x)
         if result is PENDING:
-            self.pending.append((ins, key, index, compute))
+            self.pending.append((key, index, compute, functools.partial(self.store.__setitem__, ins.dst)))
             return
         self.store[ins.dst] = result
+
+    def _merged_all_reduce(self, ins: MergedAllReduce) -> None:
+        view = self.meshes.get(ins.mesh_id)
+        if view is None:
+            return
+        gi, index, size = view.groups[ins.mesh_dim]
+        values = [self._lookup(tid) for tid in ins.srcs]
+        failure = next((v for v in values if type(v) is WorkerFailure), None)
+        # one exchange per dtype, in first-appearance order (the same on every rank)
+        by_dtype: dict = {}
+        for i, v in enumerate(values):
+            by_dtype.setdefault(None if failure else v.dtype, []).append(i)
+        step = Collective("all_reduce", ins.mesh_id, ins.mesh_dim, -1, -1, 0, ins.reduce_op)
+        for members in by_dtype.values():
+            if self.streams.outstanding and failure is None:
+                self.streams.join_reads(tuple(values[i] for i in members))
+            packed = failure or torch.cat([values[i].reshape(-1) for i in members])
+            group_key = (ins.mesh_id, ins.mesh_dim, gi)
+            seq = self.seq.get(group_key, 0)
+            self.seq[group_key] = seq + 1
+            key = group_key + (seq,)
+            compute = functools.partial(_compute_collective, step, self.rank)
+            unpack = functools.partial(self._unpack, [ins.dsts[i] for i in members], [values[i] for i in members])
+            result = self.streams.communicate(functools.partial(self.exchange.exchange, key, index, size, packed,
+                                                                compute), packed)
+            if result is PENDING:
+                self.pending.append((key, index, compute, unpack))
+            else:
+                unpack(result)
+
+    def _unpack(self, dsts, values, result) -> None:
+        if type(result) is WorkerFailure:
+            for tid in dsts:
+                self.store[tid] = result
+            return
+        if self.streams.outstanding:
+            self.streams.join_reads((result,))  # the pieces are views: order compute after the whole
+        offset = 0
+        for tid, v in zip(dsts, values):
+            n = v.numel()
+            self.store[tid] = result[offset:offset + n].view(v.shape)
+            offset += n
 
     def finish_pending(self) -> None:
         """Complete collectives whose peers have all contributed (lockstep runners)."""
         pending, self.pending = self.pending, []
-        for ins, key, index, compute in pending:
-            self.store[ins.dst] = self.exchange.collect(key, index, compute)
+        for key, index, compute, done in pending:
+            done(self.exchange.collect(key, index, compute))
 
     # -- statistics -----------------------------------------------------------------------
     def memory_stats(self) -> dict:
