@@ -10,6 +10,7 @@ from . import dispatch as _dispatch  # noqa: F401  (installs DTensor's dispatche
 from . import checkpoint, errors, nn, optim
 from .api import (
     arange,
+    device_type,
     distribute_tensor,
     empty,
     fallback_counts,
@@ -28,6 +29,7 @@ from .api import (
     zeros,
 )
 from .errors import (
+    DeviceError,
     DTorchError,
     FallbackRefusedError,
     MeshMismatchError,
@@ -65,7 +67,9 @@ __all__ = [
     "WorkerError",
     "WireError",
     "WorkerLostError",
+    "DeviceError",
     "arange",
+    "device_type",
     "capture",
     "checkpoint",
     "compile",

@@ -64,6 +64,12 @@ def is_initialized() -> bool:
     return _session_mod._session is not None
 
 
+def device_type() -> str:
+    """The device type this session's workers run on (``dt.init(device_type=...)``), which is the
+    one ``dt.init_device_mesh`` takes: code that joins a running session asks it here."""
+    return current_session().runner.device_type
+
+
 def manual_seed(seed: int) -> None:
     """Seed every random op issued from now on (same values on every runner)."""
     current_session().manual_seed(seed)

@@ -117,6 +117,7 @@ def test_device_type_without_a_plugin_raises_on_the_controller(runner_name):
 
 
 def test_mesh_device_type_must_match_the_workers(mesh1d):
+    assert dt.device_type() == DEVICE == mesh1d.device_type
     other = "meta" if DEVICE != "meta" else "cpu"
     with pytest.raises(dt.PlacementError, match=rf"dt.init\(device_type='{other}'\)"):
         dt.init_device_mesh(other, (1,))
