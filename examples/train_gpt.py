@@ -281,9 +281,10 @@ def train(args) -> list[float]:
             if n_dev != args.dp * args.tp:
                 raise SystemExit(f"--device-count {n_dev} but --dp {args.dp} x --tp {args.tp} = {args.dp * args.tp}")
             if not dt.is_initialized():
-                dt.init(world_size=n_dev, runner=args.runner)
+                dt.init(world_size=n_dev, runner=args.runner, device_type=args.device_type or "cpu")
                 started_session = True
-            mesh = dt.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
+            # a running session (e.g. a test's) decides the device type
+            mesh = dt.init_device_mesh(dt.device_type(), (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
             dt.manual_seed(args.seed)
             model = distribute(build_model(cfg, args.seed), mesh)
             where = f"{args.dp}x{args.tp} mesh (dp x tp)"
@@ -373,6 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="devices (default dp x tp); 1 trains on plain torch in this process (the reference)")
     p.add_argument("--runner", default=None,
                    help="dtorch runner: inline, thread, process, ... (default $DTORCH_RUNNER or thread)")
+    p.add_argument("--device-type", default=None,
+                   help="device type of the workers: cpu, or cuda with the dtorch_nccl plugin (default cpu)")
     p.add_argument("--steps", type=int, default=300, help="train until this step (a resumed run continues to it)")
     p.add_argument("--batch", type=int, default=16, help="sequences per step (split over dp)")
     p.add_argument("--lr", type=float, default=3e-3)
