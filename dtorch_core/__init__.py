@@ -38,6 +38,7 @@ from .errors import (
     PluginError,
     CaptureError,
     GuardError,
+    MaterializeError,
     WorkerError,
     WorkerLostError,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "DTorchError",
     "FallbackRefusedError",
     "GuardError",
+    "MaterializeError",
     "MeshMismatchError",
     "OpError",
     "Partial",
