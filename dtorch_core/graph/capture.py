@@ -271,6 +271,7 @@ class CompiledFunction:
                 out.append(leaf)
         session.emit(RunProgram(entry.program_id, inputs, tuple(fresh), session._seed, session._seed_counter))
         session._seed_counter += entry.program.seeds
+        session.flush()  # a whole step: the workers should start now, not at the next timer tick
         self.replays += 1
         return pytree.tree_unflatten(out, entry.out_tree)
 
@@ -348,6 +349,7 @@ class CapturedGraph:
         session = self.session
         session.emit(RunProgram(self.program_id, (), (), session._seed, session._seed_counter))
         session._seed_counter += self.program.seeds
+        session.flush()
 
     def reset(self) -> None:
         if self.program is not None:
