@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 
@@ -104,6 +106,20 @@ def _coord(mesh: DeviceMesh, rank: int):
     return root_coordinate(mesh.root, rank)
 
 
+_meta_as_uninitialised = contextvars.ContextVar("dtorch_meta_as_uninitialised", default=False)
+
+
+@contextlib.contextmanager
+def meta_as_uninitialised():
+    """Inside, ``distribute_tensor`` of a meta tensor allocates uninitialised shards on the
+    workers instead of raising (for ``dt.nn.materialize``, which fills them)."""
+    token = _meta_as_uninitialised.set(True)
+    try:
+        yield
+    finally:
+        _meta_as_uninitialised.reset(token)
+
+
 def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements=None) -> DTensor:
     """Split ``tensor`` (held by the controller) onto the mesh; uneven shards follow torch.chunk."""
     session = current_session()
@@ -112,8 +128,13 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements=
     if placements is None:
         placements = [Replicate()] * device_mesh.ndim
     if tensor.is_meta:
-        # no values to send: the shards are allocated uninitialised on the workers, which is
-        # how parallelize_module places a meta-built model before dt.nn.materialize fills it
+        if not _meta_as_uninitialised.get():
+            raise PlacementError(
+                f"distribute_tensor got a meta tensor {tuple(tensor.shape)}: it has no values to distribute. "
+                "Build the model inside dt.nn.meta_init() and create it on the workers with dt.nn.materialize"
+            )
+        # dt.nn.materialize places a meta-built model (through parallelize_module) as
+        # uninitialised shards on the workers, then fills them
         return _factory("empty", tuple(tensor.shape), device_mesh, placements, tensor.dtype,
                         requires_grad=tensor.requires_grad)
     root = device_mesh.root

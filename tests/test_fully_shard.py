@@ -43,6 +43,18 @@ def test_mlp_trains_like_torch(mesh1d):
     assert dt.fallback_counts() == {}
 
 
+def test_tied_parameters_stay_one(mesh1d):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Embedding(11, 6), nn.Linear(6, 11, bias=False))
+    ref[1].weight = ref[0].weight
+    model = dt.nn.fully_shard(copy.deepcopy(ref), mesh1d)
+    assert model[1].weight is model[0].weight and len(list(model.parameters())) == 1
+    batches = [(torch.randint(0, 11, (5,)), torch.randint(0, 11, (5,))) for _ in range(2)]
+    got = train(model, batches, adamw, F.cross_entropy, 2)
+    assert got == pytest.approx(train(ref, batches, adamw, F.cross_entropy, 2), rel=1e-4)
+    check_sharded(model, ref, 0)
+
+
 def test_transformer_block_trains_like_torch(mesh1d):
     torch.manual_seed(0)
     ref = Block(d=12, heads=3, ff=30)  # ff rows 8,8,8,6

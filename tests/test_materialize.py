@@ -10,7 +10,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dtorch_core as dt
-from dtorch_core.errors import MaterializeError
 
 from .helpers import train
 from .test_parallelize import GPT, adamw, lm_loss, plan
@@ -171,19 +170,24 @@ def test_plain_meta_model_replays_reset_parameters(mesh1d):
 
     with torch.device("meta"):
         model = WithBuffer()
-    with pytest.raises(MaterializeError, match="table"):
+    with pytest.raises(dt.MaterializeError, match="table"):
         dt.nn.materialize(model, mesh1d, seed=0)
 
 
 def test_mistakes_raise_on_the_controller(mesh1d):
-    with pytest.raises(MaterializeError, match="random values for a cpu tensor"):
+    with pytest.raises(dt.MaterializeError, match="random values for a cpu tensor"):
         with dt.nn.meta_init():
             torch.randn(3, device="cpu")
-    with pytest.raises(MaterializeError, match="do not nest"):
+    with pytest.raises(dt.MaterializeError, match="do not nest"):
         with dt.nn.meta_init(), dt.nn.meta_init():
             pass
     assert torch.nn.init.orthogonal_.__name__ == "orthogonal_" and not hasattr(torch.nn.init.orthogonal_,
                                                                                 "__wrapped__")
+    with dt.nn.meta_init():
+        model = InitGPT()
+    for place in (dt.nn.fully_shard, dt.nn.data_parallel):  # meta tensors have no values to place
+        with pytest.raises(dt.PlacementError, match="meta tensor"):
+            place(model, mesh1d)
     with dt.nn.meta_init():
         model = InitGPT()
     with pytest.raises(dt.PlacementError, match="tied"):

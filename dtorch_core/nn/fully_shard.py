@@ -56,21 +56,22 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh, *, dim: int = 0, bat
     tensor dim ``dim`` (uneven shards follow ``torch.chunk``), shard the batch dim of its inputs
     over it, and gather each sub-module's parameters only for its forward (see the module
     docstring). Buffers are replicated. Parameters already distributed on the same root mesh
-    (``parallelize_module`` on ``mesh["tp"]``) keep their other placements. 0-d parameters
-    stay replicated. Tied parameters stay one parameter.
+    (``parallelize_module`` on ``mesh["tp"]``) keep their other placements; plain ones go
+    straight to their shards. 0-d parameters stay replicated. Tied parameters stay one
+    parameter. Create the optimizer afterwards: it must see the sharded parameters.
     """
     check_data_parallel_mesh(module, device_mesh, "fully_shard")
-    replicate_rest(module, device_mesh)
     root_dim = device_mesh.dims_in_root[0]
-    sharded: dict = {}
+    sharded: dict = {}  # id(parameter) -> its sharded Parameter: tied parameters stay one
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
             if p is None:
                 continue
             new = sharded.get(id(p))
             if new is None:
-                new = sharded[id(p)] = _shard_parameter(p, root_dim, dim)
+                new = sharded[id(p)] = _shard_parameter(p, device_mesh, dim)
             sub._parameters[name] = new
+    replicate_rest(module, device_mesh)  # the buffers
     for sub in module.modules():
         names = tuple(n for n, p in sub._parameters.items()
                       if p is not None and isinstance(p._spec.placements[root_dim], Shard))
@@ -82,11 +83,17 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh, *, dim: int = 0, bat
     return module
 
 
-def _shard_parameter(p: DTensor, root_dim: int, dim: int) -> nn.Parameter:
-    if p.ndim == 0:
+def _shard_parameter(p: torch.Tensor, mesh: DeviceMesh, dim: int) -> nn.Parameter:
+    from ..api import distribute_tensor
+
+    shard = Shard(dim % p.ndim) if p.ndim else Replicate()  # a 0-d parameter stays replicated
+    if not isinstance(p, DTensor):
+        # straight to the shards: a plain parameter is never replicated on the workers first
+        return nn.Parameter(distribute_tensor(p.detach(), mesh, [shard]), requires_grad=p.requires_grad)
+    if not p.ndim:
         return p
     placements = list(p._spec.placements)
-    placements[root_dim] = Shard(dim % p.ndim)
+    placements[mesh.dims_in_root[0]] = shard
     # the old replicated parameter is dropped as soon as the module holds the shard
     return nn.Parameter(redistribute_now(p.detach(), tuple(placements)), requires_grad=p.requires_grad)
 

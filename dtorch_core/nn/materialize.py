@@ -2,9 +2,10 @@
 
 The controller never holds a full parameter: ``parallelize_module`` (or, without a plan,
 ``replicate_rest``) places every meta parameter and buffer as uninitialised shards on the
-workers (``distribute_tensor`` of a meta tensor allocates them there), then one call of the
-worker kernel ``dtorch::materialize`` replays the recorded initialisation (see
-``init_trace.py``) and each rank keeps its region of every tensor.
+workers (inside ``meta_as_uninitialised()``, ``distribute_tensor`` of a meta tensor allocates
+them there; elsewhere it raises), then one call of the worker kernel ``dtorch::materialize``
+replays the recorded initialisation (see ``init_trace.py``) and each rank keeps its region of
+every tensor.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import structlog
 import torch
 import torch.nn as nn
 
+from ..api import meta_as_uninitialised
 from ..errors import MaterializeError, PlacementError
 from ..mesh import DeviceMesh
 from ..placement import Partial
@@ -76,10 +78,11 @@ def materialize(model: nn.Module, mesh: DeviceMesh, plan=None, *, seed: int | No
     if slots and trace is None:
         trace = _reset_parameters_trace(model)
     program = trace.compile(targets) if slots else None  # raises before anything is sent
-    if plan is not None:
-        parallelize_module(model, mesh, plan)
-    else:
-        replicate_rest(model, mesh)
+    with meta_as_uninitialised():
+        if plan is not None:
+            parallelize_module(model, mesh, plan)
+        else:
+            replicate_rest(model, mesh)
     if not slots:
         return model
     dtensors = [_tie(group) for group in unique.values()]
