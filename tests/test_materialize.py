@@ -51,8 +51,9 @@ class InitGPT(GPT):
 
 class InitMLP(nn.Module):
     """Every kind of initialiser: kaiming/xavier/orthogonal/trunc_normal (rejection sampling),
-    uniform_, a small normal_ (< 16 values: torch's scalar path) from an explicit generator,
-    a normal_ on a strided view, an in-place op on drawn values, an arange buffer."""
+    uniform_, normal_ of < 16 values (torch's scalar path; >= 16 take the vectorised one) from
+    the global stream and from an explicit generator, a normal_ on a strided view, an in-place
+    op on drawn values, an arange buffer."""
 
     def __init__(self):
         super().__init__()
@@ -67,7 +68,7 @@ class InitMLP(nn.Module):
         nn.init.xavier_uniform_(self.fc2.weight)
         nn.init.normal_(self.fc2.bias, generator=gen)
         nn.init.orthogonal_(self.fc3.weight)
-        nn.init.zeros_(self.fc3.bias)
+        nn.init.normal_(self.fc3.bias, std=0.1)  # 5 values from the global stream
         nn.init.trunc_normal_(self.scale, mean=1.0, std=0.1, a=0.85, b=1.15)
         with torch.no_grad():
             self.fc2.weight[:, :3].normal_(0, 0.1)

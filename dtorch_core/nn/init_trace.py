@@ -193,8 +193,8 @@ class InitTrace:
             return {"g": self._generator(x)}
         if isinstance(x, torch.device):
             return torch.device("cpu") if x.type == "meta" else x
-        if type(x) in (tuple, list):
-            return type(x)(self._template(a, where) for a in x)
+        if isinstance(x, (tuple, list)):  # torch.Size included: it travels as a tuple
+            return (list if isinstance(x, list) else tuple)(self._template(a, where) for a in x)
         if x is None or isinstance(x, _SCALARS):
             return x
         raise MaterializeError(
@@ -241,8 +241,8 @@ class InitTrace:
         skip = {id(t) for t, _ in written}
         metadata_only = ins[0] if name in _METADATA_ONLY and ins else None
         reads = {self.storage_key(t) for t in ins if t.is_meta and id(t) not in skip and t is not metadata_only}
-        overwrites -= reads  # reading what it overwrites (overlapping copy_): a partial write
-        partial |= {self.storage_key(t) for t, _ in written if t.is_meta and self.storage_key(t) in reads}
+        partial |= overwrites & reads  # it reads what it overwrites (an overlapping copy_)
+        overwrites -= reads
         args_t = self._template(tuple(args), str(func))
         if metadata_only is not None and args and args[0] is metadata_only:
             t = metadata_only
@@ -359,7 +359,6 @@ def _peak_bytes(kept, storages) -> int:
         for k in free:
             live.pop(k, None)
     return peak
-
 
 
 def _tensors(x) -> list:

@@ -39,7 +39,9 @@ def call_kernel(target: str, inputs: list, *, writes: tuple = (), kwargs: dict |
         raise MeshMismatchError(f"{target}: the tensors live on {len(meshes)} different meshes; use one mesh")
     mesh = meshes.pop()
     kwargs = kwargs or {}
-    key = ("kernel", target, tuple(writes), tuple(x._spec for x in inputs)) if cache and not kwargs and rank_kwargs is None else None
+    key = None
+    if cache and not kwargs and rank_kwargs is None:
+        key = ("kernel", target, tuple(writes), tuple(x._spec for x in inputs))
     plan = session.plans.get(key) if key is not None else None
     if plan is None:
         slots = tuple(Slot(i) for i in range(len(inputs)))

@@ -62,40 +62,46 @@ def materialize(model: nn.Module, mesh: DeviceMesh, plan=None, *, seed: int | No
     time while it replays (``log`` at debug level shows the peak).
     """
     slots = _meta_slots(model)
-    if not slots:
-        log.debug("materialize: no meta tensors", model=type(model).__name__)
-    traces = {id(t): t for t in (trace_of(s.tensor) for s in slots) if t is not None}
-    if len(traces) > 1:
-        raise MaterializeError(
-            "the model's tensors were recorded by more than one dt.nn.meta_init() block; build the "
-            "whole model in one block so its random stream is one sequence"
-        )
-    unique: dict = {}
+    tied: dict = {}  # id(meta tensor) -> the slots that hold it (more than one when tied)
     for s in slots:
-        unique.setdefault(id(s.tensor), []).append(s)
-    targets = [(group[0].qualname, group[0].tensor) for group in unique.values()]
-    trace = next(iter(traces.values()), None)
-    if slots and trace is None:
-        trace = _reset_parameters_trace(model)
-    program = trace.compile(targets) if slots else None  # raises before anything is sent
+        tied.setdefault(id(s.tensor), []).append(s)
+    program = trace = None
+    if slots:
+        trace = _trace_for(model, slots)
+        # raises before anything is sent when a tensor's values are not known
+        program = trace.compile([(group[0].qualname, group[0].tensor) for group in tied.values()])
     with meta_as_uninitialised():
         if plan is not None:
             parallelize_module(model, mesh, plan)
         else:
             replicate_rest(model, mesh)
     if not slots:
+        log.debug("materialize: no meta tensors", model=type(model).__name__)
         return model
-    dtensors = [_tie(group) for group in unique.values()]
+    dtensors = [_tie(group) for group in tied.values()]
     rng = {"seed": int(seed)} if seed is not None else {"rng_state": trace.rng_state}
     specs = [x._spec for x in dtensors]
 
     def regions(rank, coord):
         return {"regions": tuple(spec.region(coord) for spec in specs)}
 
-    call_kernel("dtorch::materialize", dtensors, writes=tuple(range(len(dtensors))), kwargs={**program.kernel_kwargs(), **rng}, rank_kwargs=regions,
-                op_name="dt.nn.materialize", cache=False)
+    call_kernel("dtorch::materialize", dtensors, writes=tuple(range(len(dtensors))),
+                kwargs={**program.kernel_kwargs(), **rng}, rank_kwargs=regions, op_name="dt.nn.materialize",
+                cache=False)
     log.debug("materialized", tensors=len(dtensors), peak_bytes=program.peak_bytes)
     return model
+
+
+def _trace_for(model: nn.Module, slots: list) -> InitTrace:
+    traces = {id(t): t for t in (trace_of(s.tensor) for s in slots) if t is not None}
+    if len(traces) > 1:
+        raise MaterializeError(
+            "the model's tensors were recorded by more than one dt.nn.meta_init() block; build the "
+            "whole model in one block so that its random stream is one sequence"
+        )
+    if traces:
+        return traces.popitem()[1]
+    return _reset_parameters_trace(model)
 
 
 def _meta_slots(model: nn.Module) -> list:
