@@ -37,8 +37,8 @@ import weakref
 import attrs
 import structlog
 import torch
-from torch.utils._pytree import tree_leaves
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from ..dispatch import redistribute_now
 from ..mesh import DeviceMesh
@@ -80,6 +80,7 @@ def fully_shard(module: nn.Module, device_mesh: DeviceMesh, *, dim: int = 0, bat
             sub.register_forward_pre_hook(gather.before)
             sub.register_forward_hook(gather.after, always_call=True)
     shard_batch_inputs(module, device_mesh, batch_dim)
+    log.debug("fully sharded", parameters=len(sharded), mesh=device_mesh)
     return module
 
 

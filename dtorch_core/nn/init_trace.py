@@ -36,8 +36,8 @@ import threading
 import attrs
 import structlog
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 

@@ -45,7 +45,8 @@ def materialize(model: nn.Module, mesh: DeviceMesh, plan=None, *, seed: int | No
     ``plan`` is a ``parallelize_module`` plan (a style or ``{glob: style}``) that decides the
     placements and installs the styles' hooks; everything it does not shard is Replicate. With
     ``seed`` the values equal ``torch.manual_seed(seed); model = Model(...)``; without it, the
-    state torch's CPU generator had when ``dt.nn.meta_init()`` began.
+    stream starts from the state torch's CPU generator had when ``dt.nn.meta_init()`` began
+    (without a recording: its state now).
 
     How the values are found: a model built inside ``dt.nn.meta_init()`` has its whole
     initialisation recorded (constructors, custom ``_init_weights``, buffers computed from
