@@ -30,6 +30,18 @@ class _Handle:
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_HANDLE_DEVICES: dict = {}
+
+
+def handle_device(device_type: str) -> torch.device:
+    """The device a DTensor handle reports: the mesh's device type, with index 0 for an
+    accelerator (torch's autograd engine routes a backward by device index, and an index-less
+    ``cuda`` fails its checks). The workers' own devices are the runner's business."""
+    dev = _HANDLE_DEVICES.get(device_type)
+    if dev is None:
+        dev = _HANDLE_DEVICES[device_type] = torch.device(device_type) if device_type == "cpu" else torch.device(
+            device_type, 0)
+    return dev
 
 
 class DTensor(torch.Tensor):
@@ -52,7 +64,7 @@ class DTensor(torch.Tensor):
             spec.shape,
             strides=spec.stride,
             dtype=spec.dtype,
-            device=spec.mesh.device_type,
+            device=handle_device(spec.mesh.device_type),
             requires_grad=requires_grad,
         )
         r._spec = spec

@@ -27,6 +27,13 @@ def needs_world_size(n: int):
     return pytest.mark.skipif(WORLD_SIZE != n, reason=f"written for {n} workers; DTORCH_TEST_WORLD_SIZE={WORLD_SIZE}")
 
 
+# A bad index in a CPU kernel raises, and the worker reports it and keeps serving; on a GPU it
+# is a device-side assert, which ends the process's CUDA context for good.
+bad_index_raises = pytest.mark.skipif(
+    DEVICE != "cpu", reason=f"an out-of-range index on {DEVICE!r} is a device-side assert, not an exception"
+)
+
+
 def S(d):
     return dt.Shard(d)
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import dtorch_core as dt
 
-from .helpers import assert_close
+from .helpers import assert_close, bad_index_raises
 from .test_modules import MLP, Block, distribute_module, tp_plan_block, tp_plan_mlp
 from .test_parallelize import GPT, lm_loss, plan
 
@@ -253,6 +253,7 @@ def test_capture_block_updates_state_in_place_on_replay(mesh1d):
     assert torch.equal(acc.full_tensor(), ((torch.arange(10.0) * 2 + 1) * 2 + 1) * 2 + 1)
 
 
+@bad_index_raises
 def test_failure_inside_a_replay_names_the_op_and_line(mesh1d):
     def step(x, idx):
         return x.index_select(0, idx)

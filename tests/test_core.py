@@ -12,7 +12,7 @@ from dtorch_core.ops.common import R
 from dtorch_core.ops.registry import Strategy
 from dtorch_core.plugins import get_plugins
 
-from .helpers import DEVICE, assert_close, needs_world_size
+from .helpers import DEVICE, assert_close, bad_index_raises, needs_world_size
 
 
 def test_metadata_without_round_trip(mesh2d):
@@ -152,6 +152,7 @@ def test_shape_error_names_op_and_placements(mesh1d, monkeypatch):
     assert sent == []  # nothing was sent
 
 
+@bad_index_raises
 def test_worker_failure_names_rank_op_and_source(mesh1d):
     x = dt.distribute_tensor(torch.randn(8, 3), mesh1d, [dt.Shard(1)])
     bad = torch.tensor([0, 100])  # meta tensors cannot see the bad index: the kernel fails

@@ -345,6 +345,14 @@ def register(registry) -> None:
     for op in (aten._softmax_backward_data.default, aten._log_softmax_backward_data.default):
         registry.add(op, softmax_backward_rule, replace=True)
     registry.add(aten.native_layer_norm.default, layer_norm_rule)
+    # F.rms_norm on CUDA tensors (the handles of a cuda mesh) calls the fused op; torch's own
+    # decompositions turn it and its backward into ops with rules
+    from torch._decomp import decomposition_table
+
+    for name in ("_fused_rms_norm", "_fused_rms_norm_backward"):
+        op = getattr(getattr(aten, name, None), "default", None)
+        if op is not None and op in decomposition_table:
+            registry.add_decomposition(op, decomposition_table[op], replace=True)
     registry.add(aten.native_layer_norm_backward.default, layer_norm_backward_rule)
     registry.add(aten.embedding.default, Rule(embedding_rule, embedding_localize, "dtorch::embedding"))
     registry.add(

@@ -40,8 +40,9 @@ LINEAR = {
     "hardswish_backward": [{0}],
     "hardsigmoid_backward": [{0}],
 }
-# elementwise ops that lack the ``pointwise`` tag
-UNTAGGED = ("floor_divide", "floor_divide_", "rsub", "hardswish", "hardswish_", "leaky_relu_backward",
+# elementwise ops that lack the ``pointwise`` tag (in some torch versions: leaky_relu before 2.13)
+UNTAGGED = ("floor_divide", "floor_divide_", "rsub", "hardswish", "hardswish_", "leaky_relu", "leaky_relu_",
+            "leaky_relu_backward",
             "hardtanh_backward", "elu_backward", "softplus_backward", "hardswish_backward",
             "hardsigmoid_backward")
 # ops whose Partial(max)/Partial(min) inputs pass through unchanged (values are not changed)

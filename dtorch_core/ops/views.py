@@ -193,6 +193,7 @@ def register(registry) -> None:
     registry.add(aten.view.dtype, view_dtype_rule, replace=True)
     registry.add(aten.repeat.default, Rule(repeat_rule), replace=True)
     registry.add(aten.roll.default, roll_rule, replace=True)
+    registry.add(aten.constant_pad_nd.default, constant_pad_rule, replace=True)
     for packet in (aten.tril, aten.triu, aten.tril_, aten.triu_):
         add_all(registry, packet, Rule(triangle_rule, triangle_localize))
 
@@ -222,6 +223,18 @@ def roll_rule(call):
         return dim_map_strategies(call, {}, partials=ALL_PARTIALS)
     rolled = {_norm(d, x.ndim) for d in dims}
     return dim_map_strategies(call, {d: d for d in range(x.ndim) if d not in rolled}, partials=ALL_PARTIALS)
+
+
+def constant_pad_rule(call):
+    """constant_pad_nd (F.pad; SDPA pads bool masks on CUDA): the dims it pads or crops stay
+    whole, the others may be sharded. Every rank pads with ``value``, so Partial avg/max/min
+    stay valid, and Partial sum too when the value is zero."""
+    x = call.inputs[0]
+    pad = list(call.args[1])
+    value = call.args[2] if len(call.args) > 2 else call.kwargs.get("value", 0)
+    changed = {x.ndim - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
+    partials = ALL_PARTIALS if value == 0 else tuple(p for p in ALL_PARTIALS if p.reduce_op != "sum")
+    return dim_map_strategies(call, {d: d for d in range(x.ndim) if d not in changed}, partials=partials)
 
 
 def triangle_rule(call):

@@ -153,7 +153,7 @@ class ThreadRunner(Runner):
                 with self.turn:
                     worker.streams.run(functools.partial(worker.run_batch, batch))
             except BaseException as exc:  # a bug in the worker itself, not in a kernel
-                worker.log.error("worker crashed", error=repr(exc))
+                worker.log.error("worker crashed", error=repr(exc), exc_info=True)
                 with self._cond:
                     self._dead[rank] = repr(exc)
                     self._cond.notify_all()

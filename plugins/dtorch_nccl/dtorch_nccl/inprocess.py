@@ -29,8 +29,8 @@ class _Ready:
 
 def _publish(value):
     """Wrap a contribution with an event on the producing (current) stream."""
-    if not isinstance(value, torch.Tensor):
-        return value  # a WorkerFailure travels as it is
+    if not isinstance(value, torch.Tensor) or not value.is_cuda:
+        return value  # a WorkerFailure (or a host tensor) travels as it is
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(value.device))
     return _Ready(value, event)
@@ -60,7 +60,7 @@ def _combine(compute, items):
     results = compute([_take(item, stream) for item in items])
     done = torch.cuda.Event()
     done.record(stream)
-    return [_Ready(r, done) if isinstance(r, torch.Tensor) else r for r in results]
+    return [_Ready(r, done) if isinstance(r, torch.Tensor) and r.is_cuda else r for r in results]
 
 
 @attrs.define
