@@ -104,9 +104,13 @@ def test_random_ops_are_reproducible(mesh):
 
 
 def test_memory_stats_follow_the_gpu_allocations(session, mesh):
+    # a worker reads its GPU's counters when it answers; workers sharing a GPU (thread runner)
+    # answer one after another, so every read follows a synchronize that all of them finished
     world = mesh.size()
+    dt.synchronize()
     before = dt.memory_stats()
     big = dt.zeros(2048, 1024, device_mesh=mesh, placements=[dt.Shard(0)])
+    dt.synchronize()
     during = dt.memory_stats()
     shard = 2048 * 1024 * 4 // world
     for b, d in zip(before, during):
@@ -120,6 +124,7 @@ def test_memory_stats_follow_the_gpu_allocations(session, mesh):
     grown = shard * on_gpu0
     assert during[0]["device_allocated_bytes"] >= before[0]["device_allocated_bytes"] + grown
     del big
+    dt.synchronize()
     after = dt.memory_stats()
     assert after[0]["device_allocated_bytes"] <= during[0]["device_allocated_bytes"] - grown
     assert after[0]["device_peak_allocated_bytes"] >= during[0]["device_allocated_bytes"]
