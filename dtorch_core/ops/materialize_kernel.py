@@ -18,13 +18,19 @@ from ..runtime.kernels import _global_rng_lock, resolve_op
 _INIT_FUNCTIONS = frozenset({"trunc_normal_", "orthogonal_", "sparse_", "dirac_"})
 
 
-def _draw(state: torch.Tensor, fn):
-    # the global CPU generator is the stream torch's initialisers use (some, like sparse_,
-    # draw from it even when given a generator): run ``fn`` with it set to ``state``
+def _with_global_stream(stream: torch.Generator, fn):
+    """Run ``fn`` with torch's global CPU generator in ``stream``'s state, and advance ``stream``
+    as ``fn`` advanced it (for ops without a generator argument, and initialisers like sparse_
+    that draw from the global generator whatever they are given)."""
     with _global_rng_lock, torch.random.fork_rng(devices=[]):
-        torch.set_rng_state(state)
+        torch.set_rng_state(stream.get_state())
         out = fn()
-        return torch.get_rng_state(), out
+        stream.set_state(torch.get_rng_state())
+        return out
+
+
+def _takes_generator(fn) -> bool:
+    return any(a.name == "generator" for a in fn._schema.arguments)
 
 
 class _Replay:
@@ -86,12 +92,12 @@ def materialize_kernel(*shards, steps, storages, constants, generators, targets,
     ``regions[i]`` is this rank's ``(offset, length)`` per dim of target ``i``. The stream
     starts from ``torch.manual_seed(seed)`` or, without a seed, from ``rng_state``.
     """
+    # the stream the model's constructor drew from: torch's global CPU generator, seeded alike
+    stream = torch.Generator()
     if seed is not None:
-        with _global_rng_lock, torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            state = torch.get_rng_state()
+        stream.manual_seed(seed)
     else:
-        state = rng_state
+        stream.set_state(rng_state)
     replay = _Replay(storages, constants, generators)
 
     def extract(indices):
@@ -109,10 +115,16 @@ def materialize_kernel(*shards, steps, storages, constants, generators, targets,
             fn = getattr(torch.nn.init, name)
         else:
             fn = resolve_op(name)
-        if random:
-            state, out = _draw(state, lambda: fn(*a, **kw))
-        else:
+        if not random:
             out = fn(*a, **kw)
+        elif kind == "aten" and _takes_generator(fn):
+            # a draw from the default generator during construction draws from ``stream`` here:
+            # no lock, so workers in one process draw at the same time
+            if kw.get("generator") is None:
+                kw["generator"] = stream
+            out = fn(*a, **kw)
+        else:
+            out = _with_global_stream(stream, lambda: fn(*a, **kw))
         if fresh:
             outs = out if isinstance(out, (tuple, list)) else (out,)
             for k, key, ref in fresh:
