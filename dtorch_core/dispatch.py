@@ -144,16 +144,24 @@ class DirectPlan:
         if self.simple:
             return self._run_simple(session, inputs)
         for i in self.writes:
-            self._check_writable(inputs[i], i in dict(self.rebind))
+            x = inputs[i]
+            self._check_writable(x, i in dict(self.rebind))
+            x.__dict__.pop("_moved", None)  # its redistributed copies are stale now
+            if getattr(x, "_view_state", 0):
+                session.view_writes += 1  # a base it views may have copies too
         tids = []
         temps = []
         emit = session.emit
-        for x, steps in zip(inputs, self.moves):
+        for i, (x, steps) in enumerate(zip(inputs, self.moves)):
             if type(x) is DTensor:
                 tid = x._tid
             else:
                 tid = session.put_replicated(x, self.mesh)
                 temps.append(tid)
+            if steps and steps[0].kind in _REDUCING and type(x) is DTensor and i not in self.writes \
+                    and not getattr(x, "_view_state", 0):
+                tid = _moved_copy(session, x, tid, steps, self.mesh_id)
+                steps = ()
             for step in steps:
                 new = session.new_tid()
                 emit(Collective(step.kind, self.mesh_id, step.mesh_dim, tid, new, step.dim, step.reduce_op, step.dim2))
@@ -230,6 +238,37 @@ class DirectPlan:
             )
         )
         return self.rebuild(outs)
+
+
+# Reductions of a Partial tensor are kept for reuse; gathers are not (a kept gathered copy of a
+# sharded activation would cost the memory sharding saves).
+_REDUCING = frozenset({"all_reduce", "reduce_scatter"})
+
+
+def _moved_copy(session, x: DTensor, tid: int, steps, mesh_id: int) -> int:
+    """The id of ``x`` redistributed by ``steps``, made once and reused while ``x`` is unchanged.
+
+    An optimizer reads each (Partial) gradient several times; without this every read would
+    all-reduce it again. The copy lives as long as ``x`` (or until ``x`` or any view is written).
+    """
+    moved = x.__dict__.get("_moved")
+    if moved is None:
+        moved = x._moved = {}
+    key = (tid, steps)
+    hit = moved.get(key)
+    if hit is not None and hit[1] == session.view_writes:
+        return hit[0].tid
+    emit = session.emit
+    src = tid
+    made = []
+    for step in steps:
+        new = session.new_tid()
+        emit(Collective(step.kind, mesh_id, step.mesh_dim, src, new, step.dim, step.reduce_op, step.dim2))
+        made.append(new)
+        src = new
+    session.release_many(made[:-1])
+    moved[key] = (_tensor_mod._Handle(src, session), session.view_writes)
+    return src
 
 
 @attrs.define

@@ -62,6 +62,7 @@ class Session:
         self.plans: dict = {}
         self.plan_names: dict = {}  # plan id -> DefinePlan, for messages about captured steps
         self.pure_plans: set = set()  # plan ids whose calls write only their fresh outputs
+        self.view_writes = 0  # in-place writes through views so far (they invalidate moved copies)
         self.fallback_counts: collections.Counter = collections.Counter()
         self._warned: set = set()
         self._tid = 0
