@@ -86,3 +86,40 @@ def test_sub_mesh_placements(mesh2d):
     y = dt.distribute_tensor(torch.randn(4, 3), mesh2d, [dt.Replicate(), dt.Replicate()])
     assert_close(x @ y, t @ y.full_tensor())
     assert mesh2d.get_coordinate(3) == (1, 1) and tp.get_coordinate(2) == (0,)
+
+
+def test_a_partial_input_is_reduced_once_while_unchanged(mesh, monkeypatch):
+    from dtorch_core.runtime.session import current_session
+
+    session = current_session()
+    reductions = []
+    emit = session.emit
+
+    def spy(ins):
+        if getattr(ins, "kind", None) in ("all_reduce", "reduce_scatter"):
+            reductions.append(ins)
+        emit(ins)
+
+    monkeypatch.setattr(session, "emit", spy)
+    g_full = torch.randn(7, 3)  # 7 rows: uneven over the shards
+    g = dt.distribute_tensor(g_full, mesh, [dt.Partial()] * mesh.ndim)
+    acc = dt.distribute_tensor(torch.zeros(7, 3), mesh, [dt.Replicate()] * mesh.ndim)
+    ref = torch.zeros(7, 3)
+    acc.lerp_(g, 0.1)
+    acc.addcmul_(g, g, value=0.5)  # the optimizer pattern: one gradient, several reads
+    ref.lerp_(g_full, 0.1)
+    ref.addcmul_(g_full, g_full, value=0.5)
+    assert len(reductions) == mesh.ndim  # one all-reduce per mesh dim, not one per read
+    assert_close(acc, ref)
+    g.mul_(2)  # a write: the kept reduction is stale
+    acc.add_(g)
+    ref.add_(g_full * 2)
+    assert len(reductions) == 2 * mesh.ndim
+    assert_close(acc, ref)
+    view = g[1:4]
+    view.mul_(3)  # a write through a view changes g as well
+    acc.add_(g)
+    g_full = g_full * 2
+    g_full[1:4] *= 3
+    ref.add_(g_full)
+    assert_close(acc, ref)
