@@ -167,3 +167,31 @@ def test_vocab_parallel_head_with_loss_parallel(mesh1d):
     for (name, p_ref), q in zip(ref.named_parameters(), model.parameters()):
         assert_close(q.grad, p_ref.grad, rtol=1e-4, atol=1e-5, msg=name)
     assert dt.fallback_counts() == {}
+
+
+class TiedLM(nn.Module):
+    def __init__(self, vocab=11, d=6):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight  # weight tying
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.embed(tokens)))
+
+
+def test_tied_parameters_stay_one_parameter(mesh2d):
+    torch.manual_seed(0)
+    ref = TiedLM()
+    model = dt.nn.parallelize_module(copy.deepcopy(ref), mesh2d["tp"], {
+        "embed": dt.nn.RowwiseParallel(), "head": dt.nn.ColwiseParallel(output_layouts=dt.Replicate())})
+    model = dt.nn.data_parallel(model, mesh2d["dp"])
+    assert model.head.weight is model.embed.weight and len(list(model.parameters())) == 1
+    batches = [(torch.randint(0, 11, (3, 5)), torch.randint(0, 11, (3, 5))) for _ in range(3)]
+    expected = train(ref, batches, adamw, lm_loss, 3)
+    got = train(model, batches, adamw, lm_loss, 3)
+    assert got == pytest.approx(expected, rel=1e-4)
+    assert_close(model.embed.weight, ref.embed.weight.detach(), rtol=1e-4, atol=1e-5)
+    with pytest.raises(dt.PlacementError, match="tied to a parameter already laid out"):
+        dt.nn.parallelize_module(TiedLM(), mesh2d["tp"], {"embed": dt.nn.RowwiseParallel(),
+                                                          "head": dt.nn.RowwiseParallel()})

@@ -9,6 +9,8 @@ A plain tensor holds the global value and is distributed in that layout.
 
 from __future__ import annotations
 
+import weakref
+
 import attrs
 import torch
 import torch.nn as nn
@@ -37,15 +39,38 @@ def _normalized(placements, ndim):
     return [Shard(p.dim % ndim) if isinstance(p, Shard) and ndim else p for p in placements]
 
 
+# id(original Parameter) -> (weak reference to it, its distributed replacement), so that a
+# parameter shared by several modules (tied embeddings) stays one parameter. Keyed by identity:
+# tensors compare by value.
+_replaced: dict = {}
+
+
 def distribute_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placements) -> None:
-    """Replace ``module.<name>`` by a distributed Parameter (no-op if it is missing or already one)."""
+    """Replace ``module.<name>`` by a distributed Parameter (no-op if it is missing or already one).
+
+    A parameter tied to one already replaced gets the same replacement; asking for another
+    layout of it raises.
+    """
     from ..api import distribute_tensor
+    from ..tensor import root_placements
 
     p = getattr(module, name, None)
     if p is None or isinstance(p, DTensor):
         return
-    dist = distribute_tensor(p.detach(), mesh, placements)
-    setattr(module, name, nn.Parameter(dist, requires_grad=p.requires_grad))
+    ref, dist = _replaced.get(id(p), (None, None))
+    if ref is not None and ref() is p:
+        wanted = root_placements(mesh, placements, p.ndim)
+        if dist._spec.mesh != mesh.root or tuple(dist._spec.placements) != tuple(wanted):
+            raise PlacementError(
+                f"{type(module).__name__}.{name} is tied to a parameter already laid out as "
+                f"{list(dist.placements)} on {dist.device_mesh!r}; a tied parameter has one layout, so give "
+                f"both modules styles that agree (asked here: {list(placements)})"
+            )
+    else:
+        dist = nn.Parameter(distribute_tensor(p.detach(), mesh, placements), requires_grad=p.requires_grad)
+        key = id(p)
+        _replaced[key] = (weakref.ref(p, lambda _r, key=key: _replaced.pop(key, None)), dist)
+    setattr(module, name, dist)
 
 
 def _map_inputs(args, mesh, layouts):
