@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import dtorch_core as dt
 
-from .helpers import assert_close, bad_index_raises
+from .helpers import BITWISE, assert_close, bad_index_raises
 from .test_modules import MLP, Block, distribute_module, tp_plan_block, tp_plan_mlp
 from .test_parallelize import GPT, lm_loss, plan
 
@@ -35,7 +35,10 @@ def dist_batches(batches, mesh, placements):
 
 def assert_bitwise(a_params, b_params):
     for (name, a), b in zip(a_params, b_params):
-        assert torch.equal(a.full_tensor(), b.full_tensor()), name
+        if BITWISE:
+            assert torch.equal(a.full_tensor(), b.full_tensor()), name
+        else:
+            assert_close(a.full_tensor(), b.full_tensor(), rtol=1e-5, atol=1e-6, msg=name)
 
 
 OPTIMIZERS = {
@@ -151,10 +154,13 @@ def test_memory_does_not_grow_over_replays(mesh):
     step = dt.compile(train_step)
     for _ in range(5):
         step(model, opt, x, y)
-    before = dt.memory_stats()
+    def held():  # what the workers' stores hold (a GPU's allocator counters move with its cache)
+        return [(s["live_tensors"], s["bytes"]) for s in dt.memory_stats()]
+
+    before = held()
     for _ in range(20):
         step(model, opt, x, y)
-    assert dt.memory_stats() == before
+    assert held() == before
 
 
 def test_new_input_specs_recapture_and_both_programs_stay_right(mesh1d):

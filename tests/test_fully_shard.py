@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import dtorch_core as dt
 
-from .helpers import assert_close, train
+from .helpers import assert_close, needs_world_size, train
 from .test_modules import MLP, Block
 
 
@@ -31,6 +31,7 @@ def check_sharded(model, ref, dp_dim: int):
         assert_close(p, p_ref.detach(), rtol=1e-4, atol=1e-5, msg=name)
 
 
+@needs_world_size(4)
 def test_mlp_trains_like_torch(mesh1d):
     torch.manual_seed(0)
     ref = MLP(d_in=6, hidden=10, d_out=7)  # 10 and 7 rows over 4 ranks: 3,3,3,1 and 2,2,2,1
@@ -87,6 +88,7 @@ def test_with_tensor_parallel_after_materialize(mesh2d):
     assert dt.fallback_counts() == {}
 
 
+@needs_world_size(4)
 def test_memory_is_the_shards_plus_one_module(mesh1d):
     torch.manual_seed(0)
     ref = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import dtorch_core as dt
 
-from .helpers import train
+from .helpers import needs_world_size, train
 from .test_parallelize import GPT, adamw, lm_loss, plan
 
 
@@ -127,6 +127,7 @@ def test_custom_initialisers_without_a_plan(mesh):
                                                                        rel=1e-5)
 
 
+@needs_world_size(4)
 def test_colwise_and_rowwise_shards_of_custom_initialisers(mesh1d):
     torch.manual_seed(3)
     ref = InitMLP()

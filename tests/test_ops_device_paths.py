@@ -44,6 +44,18 @@ def test_constant_pad_nd(mesh, pad, value, spec):
         assert out.placements == tuple(full)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64])
+def test_to_dtype_called_as_aten_op(mesh, dtype):
+    """``aten.to.dtype`` reaches dtorch unexpanded in torch 2.11: the same dtype is the tensor
+    itself, another one a copy that keeps the placement."""
+    x = torch.randn(7, 4)
+    xd = dt.distribute_tensor(x, mesh, on_mesh(mesh, (S(0), R)))
+    y = aten.to.dtype(xd, dtype)
+    assert (y is xd) == (dtype == torch.float32)
+    assert y.dtype == dtype and y.placements == xd.placements
+    torch.testing.assert_close(y.full_tensor(), x.to(dtype))
+
+
 @pytest.mark.parametrize("spec", [(S(0), R), (S(1), S(0)), (R, R)], ids=str)
 def test_leaky_relu(mesh, spec):
     x = torch.randn(9, 4)

@@ -113,6 +113,8 @@ def test_dropout_replicas_are_identical(mesh):
     assert_close(full, x * (full != 0) / 0.5)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="CUDA's fused attention kernels draw dropout_p inside the kernel, "
+                    "per local (batch, head): the values depend on the shard (README, known limitations)")
 def test_attention_dropout_same_for_every_placement(mesh):
     q, k, v = (torch.randn(3, 5, 7, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
     outs = []

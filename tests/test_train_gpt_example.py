@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from .helpers import needs_world_size
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 
 
@@ -40,6 +42,7 @@ def reference():
     return train_gpt.train(_args("--steps", "4", "--device-count", "1", "--plot", ""))
 
 
+@needs_world_size(4)  # a 2x2 mesh
 def test_dp_tp_training_matches_single_device_writes_plot_and_resumes(runner, reference, tmp_path):
     """One test per runner (plans are re-made for every test, and they are most of the cost)."""
     import dtorch_core as dt

@@ -64,6 +64,10 @@ def native_dropout_kernel(x, p, train, *, region, global_shape, seed=None):
 
 def embedding_kernel(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False, *,
                      vocab_offset, vocab_size, vocab_total):
+    if weight.shape[1] == 0 or indices.numel() == 0:
+        # an empty shard (no columns, or no indices): nothing to look up, and CUDA's kernels
+        # fault on zero-width rows
+        return weight.new_zeros(tuple(indices.shape) + (weight.shape[1],))
     if vocab_size == vocab_total:
         return aten.embedding.default(weight, indices, padding_idx, scale_grad_by_freq, sparse)
     local = indices - vocab_offset
@@ -76,6 +80,9 @@ def embedding_kernel(weight, indices, padding_idx=-1, scale_grad_by_freq=False, 
 
 def embedding_backward_kernel(grad, indices, num_weights, padding_idx, scale_grad_by_freq, *,
                               vocab_offset, vocab_size):
+    if grad.numel() == 0:
+        # an empty shard: no gradient reaches these rows (CUDA's kernel faults on zero-width rows)
+        return grad.new_zeros((vocab_size, grad.shape[-1]))
     if vocab_offset == 0 and vocab_size == num_weights:
         return aten.embedding_dense_backward.default(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
     full = aten.embedding_dense_backward.default(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
@@ -160,6 +167,41 @@ def empty_safe(op):
     return kernel
 
 
+# elements: torch's sdpa pads ``attn_bias`` rows to this for the memory-efficient CUDA kernel
+MEM_EFFICIENT_ALIGNMENT = 16
+
+
+def aligned_bias(op):
+    """Run ``op`` with its ``attn_bias`` padded like torch's sdpa pads it, where the op has one.
+
+    The memory-efficient kernel needs bias strides that are multiples of 16 elements; sdpa pads
+    the bias and passes a slice of the padded tensor, but a worker's local shard of that slice is
+    a fresh contiguous tensor, so it is padded again here the same way."""
+    names = [a.name for a in op._schema.arguments]
+    if "attn_bias" not in names:
+        return op
+    index = names.index("attn_bias")
+
+    def kernel(*args, **kwargs):
+        if index < len(args):
+            if _misaligned(args[index]):
+                args = args[:index] + (_padded_rows(args[index]),) + args[index + 1:]
+        elif _misaligned(kwargs.get("attn_bias")):
+            kwargs = dict(kwargs, attn_bias=_padded_rows(kwargs["attn_bias"]))
+        return op(*args, **kwargs)
+
+    return kernel
+
+
+def _misaligned(bias) -> bool:
+    return isinstance(bias, torch.Tensor) and any(s % MEM_EFFICIENT_ALIGNMENT for s in bias.stride()[:-1])
+
+
+def _padded_rows(bias: torch.Tensor) -> torch.Tensor:
+    last = bias.shape[-1]
+    return torch.nn.functional.pad(bias, (0, -last % MEM_EFFICIENT_ALIGNMENT))[..., :last]
+
+
 def register(registry) -> None:
     registry.add("dtorch::mean", mean_kernel)
     registry.add("dtorch::factory", factory_kernel, seeded=True)
@@ -169,4 +211,4 @@ def register(registry) -> None:
     registry.add("dtorch::embedding", embedding_kernel)
     registry.add("dtorch::embedding_backward", embedding_backward_kernel)
     for op in attention_overloads():
-        registry.add(attention_kernel_name(op), empty_safe(op))
+        registry.add(attention_kernel_name(op), empty_safe(aligned_bias(op)))
