@@ -123,3 +123,17 @@ def test_a_partial_input_is_reduced_once_while_unchanged(mesh, monkeypatch):
     g_full[1:4] *= 3
     ref.add_(g_full)
     assert_close(acc, ref)
+
+
+def test_collectives_in_a_group_of_one_are_local_copies(runner):
+    mesh = dt.init_device_mesh("cpu", (4, 1), mesh_dim_names=("x", "one"))
+    t = torch.randn(7, 3)
+    for src in ONE_DIM:
+        for dst in ONE_DIM:
+            x = dt.distribute_tensor(t, mesh, [dt.Shard(0), src])
+            y = x.redistribute(mesh, [dt.Shard(0), dst])
+            assert y.placements == (dt.Shard(0), dst)
+            assert_close(y, t, msg=f"{src} -> {dst}")
+            if isinstance(src, (dt.Shard, dt.Partial)) and not isinstance(dst, dt.Partial) and src != dst:
+                y.mul_(2)  # a gather, reduction or all-to-all makes a tensor of its own
+                assert_close(x, t, msg=f"{src} -> {dst} aliased its source")

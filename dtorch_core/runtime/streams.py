@@ -61,6 +61,14 @@ class WorkerStreams:
         """A copy of ``value`` the controller may read from another thread or process."""
         return value
 
+    # whether ``capture`` can record device work into a graph (see runtime/graphs.py)
+    can_capture: bool = False
+
+    def capture(self, fn):
+        """Record the device work ``fn()`` issues into a graph without running it, and return
+        an object whose ``replay()`` runs it; only called when ``can_capture``."""
+        raise NotImplementedError
+
     def synchronize(self) -> None:
         """Block until every piece of work issued on this worker's device has finished."""
 

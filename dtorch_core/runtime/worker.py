@@ -36,6 +36,7 @@ from ..graph.instructions import (
     program_seed,
 )
 from ..mesh import DeviceMesh, root_coordinate
+from .graphs import replay_graphed
 from .streams import WorkerStreams
 
 log = structlog.get_logger(__name__)
@@ -131,6 +132,7 @@ class Worker:
         self.store: dict = {}
         self.plans: dict = {}
         self.programs: dict = {}
+        self.graphs: dict = {}  # program id -> GraphState (devices whose streams capture graphs)
         self.meshes: dict = {}
         self.seq: dict = {}
         self.pending: list = []
@@ -142,6 +144,8 @@ class Worker:
     def run_batch(self, batch) -> None:
         for ins in batch:
             if type(ins) is RunProgram:
+                if self.streams.can_capture and replay_graphed(self, ins):
+                    continue
                 for step in self.expand_program(ins):
                     self.execute(step)
             else:
@@ -193,6 +197,7 @@ class Worker:
             self._define_program(ins)
         elif t is DropProgram:
             self.programs.pop(ins.program_id, None)
+            self.graphs.pop(ins.program_id, None)
         elif t is Stats:
             self.streams.synchronize()  # a sync point: the device has finished what was issued
             self.reply(Reply(ins.request_id, self.rank, value=self.memory_stats()))
@@ -309,6 +314,12 @@ class Worker:
             return
         x = self._lookup(ins.src)
         gi, index, size = view.groups[ins.mesh_dim]
+        if size == 1 and ins.kind in COMMUNICATING_KINDS:
+            # a group of one: every communicating kind returns the contribution (as a new tensor)
+            if self.streams.outstanding and type(x) is not WorkerFailure:
+                self.streams.join_reads((x,))
+            self.store[ins.dst] = x if type(x) is WorkerFailure else x.clone()
+            return
         if ins.kind not in COMMUNICATING_KINDS:
             if type(x) is WorkerFailure:
                 self.store[ins.dst] = x
@@ -344,12 +355,15 @@ class Worker:
             if self.streams.outstanding and failure is None:
                 self.streams.join_reads(tuple(values[i] for i in members))
             packed = failure or torch.cat([values[i].reshape(-1) for i in members])
+            unpack = functools.partial(self._unpack, [ins.dsts[i] for i in members], [values[i] for i in members])
+            if size == 1:  # a group of one: the (new) packed tensor is the result
+                unpack(packed)
+                continue
             group_key = (ins.mesh_id, ins.mesh_dim, gi)
             seq = self.seq.get(group_key, 0)
             self.seq[group_key] = seq + 1
             key = group_key + (seq,)
             compute = functools.partial(_compute_collective, step, self.rank)
-            unpack = functools.partial(self._unpack, [ins.dsts[i] for i in members], [values[i] for i in members])
             result = self.streams.communicate(functools.partial(self.exchange.exchange, key, index, size, packed,
                                                                 compute), packed)
             if result is PENDING:

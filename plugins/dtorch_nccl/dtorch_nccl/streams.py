@@ -107,6 +107,18 @@ class CudaStreams(WorkerStreams):
             # or process, on other streams) reads finished data
             return value.to("cpu")
 
+    can_capture = True
+
+    def capture(self, fn):
+        """A CUDA graph of the work ``fn()`` issues on the compute stream (and the communication
+        stream it forks, joined back before the capture ends)."""
+        self.join()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.compute):
+            fn()
+            self.join()
+        return graph
+
     def synchronize(self) -> None:
         self.join()
         self.compute.synchronize()
