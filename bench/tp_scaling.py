@@ -70,7 +70,9 @@ class DtorchBlock:
         else:
             # nothing built on the controller: uninitialised shards on the workers, drawn there
             block = _tp_block.build_block(args, "meta")
-            with dt.meta_as_uninitialised():
+            from dtorch_core.api import meta_as_uninitialised
+
+            with meta_as_uninitialised():
                 self.block = dt.nn.parallelize_module(block, mesh, plan)
             dt.manual_seed(args.seed + seed_offset)
             with torch.no_grad():
