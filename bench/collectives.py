@@ -35,6 +35,7 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import platform  # noqa: E402
+import signal  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -102,9 +103,14 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--stat", choices=sorted(STATS), default="median")
+    p.add_argument("--check-max", type=cc.parse_size, default=16 << 20,
+                   help="check the values of dtorch's results up to this size (default 16M)")
     p.add_argument("--json", dest="json_out")
     p.add_argument("--anchor-timeout", type=float, default=300.0)
     args = p.parse_args(argv)
+    # `timeout` sends SIGTERM: unwind, so the finally blocks stop the torchrun anchor (its own
+    # session, out of timeout's reach) and the dtorch workers instead of leaving them on the GPUs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.device == "cuda":
         if not torch.cuda.is_available():
             print("collectives: --device cuda needs a GPU; torch sees none (use --device cpu to test)", file=sys.stderr)
@@ -141,12 +147,14 @@ def main(argv=None) -> int:
                 for op in args.ops:
                     side = DtorchCollective(dt, mesh, op, s, dtype, world, args.warmup if r == 0 else 1)
                     samples[op, s]["dtorch"].append(side.round(iters[s]))
-                    if r == 0:
+                    if r == 0 and s <= args.check_max:  # the check fetches the result to this process
                         checks[op, s] = side.check(world)
                     side = None
                     gc.collect()
                     dt.synchronize()
                     samples[op, s]["torch"].append(anchor.run_round(r, f"{op}-{s}")["seconds"])
+                    print(f"round {r} {op} {cc.format_size(s)}: dtorch {samples[op, s]['dtorch'][-1] * 1e6:.1f} us, "
+                          f"torch {samples[op, s]['torch'][-1] * 1e6:.1f} us", flush=True)
         fallbacks = dt.fallback_counts()
         dt.shutdown()
         session = False
@@ -166,7 +174,8 @@ def main(argv=None) -> int:
           f"({args.big_iters} at >= 256 MiB); NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}; "
           f"dtorch fallbacks {fallbacks or 'none'}")
     bad = [f"{op} {cc.format_size(s)}" for (op, s), good in checks.items() if not good]
-    print("dtorch result values: " + ("all ok" if not bad else "WRONG: " + ", ".join(bad)))
+    print(f"dtorch result values (sizes <= {cc.format_size(args.check_max)}): "
+          + ("all ok" if not bad else "WRONG: " + ", ".join(bad)))
     print()
     print(f"{'collective':<16}{'size':>9}{'dtorch us':>12}{'torch us':>12}{'dtorch algbw':>14}{'busbw':>8}"
           f"{'torch algbw':>13}{'busbw':>8}{'dtorch/torch':>14}")

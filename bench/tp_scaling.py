@@ -41,6 +41,7 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import platform  # noqa: E402
+import signal  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -119,6 +120,9 @@ def run_tp(args, tp: int) -> dict:
         t0 = time.perf_counter()
         dt.init(world_size=tp, runner=args.runner, device_type=args.device)
         started = True
+        # The anchor's warm-up runs NCCL collectives on the same GPUs: let it finish before ours
+        # start (two jobs' collectives interleaved on shared GPUs only time-slice, at best).
+        anchor.wait_ready()
         mesh = dt.init_device_mesh(args.device, (tp,), mesh_dim_names=("tp",))
         eager = DtorchBlock(dt, args, mesh, _tp_block.fwd_bwd, 0)
         compiled = None
@@ -127,7 +131,6 @@ def run_tp(args, tp: int) -> dict:
             replay = DtorchBlock(dt, args, mesh, compiled, 1)
             replays_before = compiled.replays
         setup_s = time.perf_counter() - t0
-        anchor.wait_ready()
         for r in range(args.rounds):
             samples["dtorch"] += eager.round(args.steps)
             if compiled is not None:
@@ -174,6 +177,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", dest="json_out", help="also write every sample and the summary here")
     parser.add_argument("--anchor-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
+    # `timeout` sends SIGTERM: unwind, so the finally blocks stop the torchrun anchor (its own
+    # session, out of timeout's reach) and the dtorch workers instead of leaving them on the GPUs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.warmup < REPLAY_AFTER:
         parser.error(f"--warmup must be at least {REPLAY_AFTER}: dt.compile replays from its 4th call")
     if args.device == "cuda":
@@ -192,7 +198,10 @@ def main(argv=None) -> int:
     results = {}
     for tp in args.tp:
         results[tp] = run_tp(args, tp)
-        print(f"tp={tp} done ({time.perf_counter() - started:.0f}s)", flush=True)
+        # a line per tp as soon as it is measured: a later tp that hangs leaves this one readable
+        part = {k: STATS[args.stat](v) * 1e3 for k, v in results[tp]["samples"].items()}
+        print(f"tp={tp} done ({time.perf_counter() - started:.0f}s): " + ", ".join(f"{k} {v:.2f} ms" for k, v in part.items())
+              + f"; dtorch/DTensor {part['dtorch'] / part['dtensor']:.3f}", flush=True)
     elapsed = time.perf_counter() - started
 
     stat = STATS[args.stat]
@@ -237,7 +246,7 @@ def main(argv=None) -> int:
             line += f"{ms[1][s] / (tp * row[s]):>14.3f}" if 1 in ms else f"{'n/a':>14}"
         print(line)
     print()
-    print(f"TFLOP/s (per step, all GPUs together): " + "; ".join(
+    print("TFLOP/s (per step, all GPUs together): " + "; ".join(
         f"tp={tp} " + ", ".join(f"{s} {tflop / (row[s] / 1e3):.0f}" for s in sides) for tp, row in ms.items()))
     print(f"bench wall time {elapsed:.1f}s")
     for tp in ms:

@@ -23,6 +23,7 @@ for _name, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST
     os.environ[_name] = _value
 
 import argparse  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -41,6 +42,9 @@ def main(argv=None) -> int:
                    help="max relative loss difference (default 1e-3 on cpu, 1e-2 on cuda: GPU kernels vs the CPU reference)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more example options, e.g. --d-model 256")
     args = p.parse_args(argv)
+    # `timeout` sends SIGTERM: unwind, so the finally blocks stop the torchrun anchor (its own
+    # session, out of timeout's reach) and the dtorch workers instead of leaving them on the GPUs
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rtol = args.rtol if args.rtol is not None else (1e-3 if args.device_type == "cpu" else 1e-2)
     layouts = [tuple(int(v) for v in s.lower().split("x")) for s in args.layouts]
     worlds = {dp * tp for dp, tp in layouts}
