@@ -170,6 +170,7 @@ def realistic_instructions() -> list:
              Delete((45,)), Put(47, 1, {0: shard}), Call(4, (46, 47), (VIRTUAL_BASE + (1 << 40),), src)),
             (VIRTUAL_BASE,),
             (VIRTUAL_BASE + (1 << 40),),
+            (0, 4),  # the calls a worker may fuse (dt.compile(fuse_local=True))
         ),
         RunProgram(2, (90,), (91,), 2**61, 12),
         DropProgram(2),
@@ -562,8 +563,8 @@ def test_header_checks():
     must_reject(good + b"\x00", "trailing garbage")
     must_reject(message(b""), "empty body")
     assert wire.message_kind(good) == wire.KIND_BATCH
-    with pytest.raises(WireError, match="version 2"):
-        wire.message_kind(good[:2] + bytes([2]) + good[3:])
+    with pytest.raises(WireError, match=f"version {wire.VERSION + 1}"):
+        wire.message_kind(good[:2] + bytes([wire.VERSION + 1]) + good[3:])
     with pytest.raises(WireError):
         decode("not bytes")  # type: ignore[arg-type]
     with pytest.raises(WireError):

@@ -111,10 +111,27 @@ def _args_text(define) -> str:
 
 def _define(session, program: Program) -> int:
     pid = session.new_program_id()
-    session.emit(DefineProgram(pid, program.instructions, program.inputs, program.outputs))
+    session.emit(DefineProgram(pid, program.instructions, program.inputs, program.outputs, program.fusable))
     log.debug("program defined", program=pid, instructions=len(program.instructions),
-              recorded=program.recorded, eliminated=program.eliminated)
+              recorded=program.recorded, eliminated=program.eliminated, fusable=len(program.fusable))
     return pid
+
+
+def _fusable_plan(session):
+    """Plans whose calls a worker may compile together: pure aten ops.
+
+    Pure plans write only their fresh outputs, so running several of them as one function changes
+    no state another instruction sees. Plugin kernels (``dtorch::...``) may do anything a
+    compiler cannot trace; seeded calls are excluded by ``build_program`` (their random streams
+    must match eager draws exactly).
+    """
+    pure, names = session.pure_plans, session.plan_names
+
+    def fusable(plan_id) -> bool:
+        define = names.get(plan_id)
+        return plan_id in pure and define is not None and define.target.startswith("aten::")
+
+    return fusable
 
 
 def _drop(session, pid: int) -> None:
@@ -145,7 +162,7 @@ class CompiledFunction:
     """``fn`` captured per input signature and replayed; see :func:`compile`."""
 
     def __init__(self, fn, *, warmup: int = 1, verify: bool = True, recapture: bool = True,
-                 max_programs: int = 8, merge_collectives: bool = True):
+                 max_programs: int = 8, merge_collectives: bool = True, fuse_local: bool = False):
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.warmup = warmup
@@ -153,6 +170,7 @@ class CompiledFunction:
         self.recapture = recapture
         self.max_programs = max_programs
         self.merge_collectives = merge_collectives
+        self.fuse_local = fuse_local
         self._captured: collections.OrderedDict = collections.OrderedDict()
         self.replays = 0
 
@@ -220,7 +238,8 @@ class CompiledFunction:
                 raise CaptureError(f"{self._name} returns a torch.Tensor; a replay can only return distributed "
                                    "tensors (return the DTensor and read it after the call)")
         program = build_program(rec, inputs, outputs, session.pure_plans, _describe(session),
-                                merge=self.merge_collectives)
+                                merge=self.merge_collectives,
+                                fusable_plan=_fusable_plan(session) if self.fuse_local else None)
         if self.verify and entry.draft is None:
             entry.draft = program
             return result
@@ -232,7 +251,8 @@ class CompiledFunction:
         entry.out_tree = out_tree
         entry.out_leaves = tuple(_OutTensor(x._spec, x._view) if type(x) is DTensor else x for x in out_leaves)
         log.info("step captured", function=self._name, instructions=len(program.instructions),
-                 recorded=program.recorded, eliminated=program.eliminated, merged=program.merged)
+                 recorded=program.recorded, eliminated=program.eliminated, merged=program.merged,
+                 fusable=len(program.fusable))
         return result
 
     def _check_same(self, session, a: Program, b: Program) -> None:
@@ -315,7 +335,7 @@ def _explain(old_key, new_key, leaves) -> str:
 
 
 def compile(fn=None, *, warmup: int = 1, verify: bool = True, recapture: bool = True, max_programs: int = 8,
-            merge_collectives: bool = True):
+            merge_collectives: bool = True, fuse_local: bool = False):
     """Capture ``fn`` once and replay it as one message per call.
 
     ``warmup`` calls run eagerly first (so lazily created state exists), then one call is recorded
@@ -323,9 +343,14 @@ def compile(fn=None, *, warmup: int = 1, verify: bool = True, recapture: bool = 
     inputs of the same specs replay. Other inputs re-capture (at most ``max_programs`` kept per
     function) or, with ``recapture=False``, raise :class:`GuardError`. ``merge_collectives``
     lets the program run small all-reduces that can go together as one exchange.
+
+    ``fuse_local`` lets each worker run consecutive pure aten calls of the program (no
+    communication between them) as one ``torch.compile``d function, compiled on the first
+    replay. Results equal the eager step's up to floating-point rounding (the compiler may
+    reorder arithmetic), not bit for bit; a segment the compiler cannot handle runs op by op.
     """
     options = dict(warmup=warmup, verify=verify, recapture=recapture, max_programs=max_programs,
-                   merge_collectives=merge_collectives)
+                   merge_collectives=merge_collectives, fuse_local=fuse_local)
     if fn is None:
         return functools.partial(compile, **options)
     return CompiledFunction(fn, **options)
@@ -358,13 +383,17 @@ class CapturedGraph:
 
 
 @contextlib.contextmanager
-def capture():
-    """Record the block (it runs eagerly too) into a graph that ``replay()`` repeats."""
+def capture(*, fuse_local: bool = False):
+    """Record the block (it runs eagerly too) into a graph that ``replay()`` repeats.
+
+    ``fuse_local``: as for :func:`compile`.
+    """
     session = current_session()
     graph = CapturedGraph()
     with recording(session) as rec:
         yield graph
     _refuse_reads(rec, "the captured block")
-    graph.program = build_program(rec, (), (), session.pure_plans, _describe(session))
+    graph.program = build_program(rec, (), (), session.pure_plans, _describe(session),
+                                  fusable_plan=_fusable_plan(session) if fuse_local else None)
     graph.session = session
     graph.program_id = _define(session, graph.program)

@@ -132,12 +132,17 @@ class DefineProgram:
     are named by ``inputs`` and the explicit outputs by ``outputs`` (ids above VIRTUAL_BASE that
     the controller never hands out); every other id is the program's own (temporaries and the
     state it updates in place). A Call's ``seed`` is its index among the program's seeded calls.
+
+    ``fusable`` lists the positions of Calls the workers may run together as one compiled
+    function (``dt.compile(fuse_local=True)``): unseeded aten calls that write only their fresh
+    outputs. Empty: every instruction runs as sent.
     """
 
     program_id: int
     instructions: tuple
     inputs: tuple
     outputs: tuple
+    fusable: tuple = ()
 
 
 @attrs.frozen

@@ -9,7 +9,9 @@ checks that the step can run again from its own results, and optimises it once:
 - merging of small all-reduces: all-reduces along the same mesh dim that can be moved to one
   point without crossing a use of their result or a write to their input become one exchange;
 - freeing at last use: a temporary is deleted right after the last instruction that touches it,
-  instead of when the controller's handle happened to die (lower peak memory than eager).
+  instead of when the controller's handle happened to die (lower peak memory than eager);
+- with ``fusable_plan``, marking the calls workers may fuse into compiled segments (the workers
+  choose the segments, see ``runtime.fused``).
 
 Everything else the step touches is *state*: tensors made before the step (parameters,
 optimizer state) are read and written in place under their own ids, and tensors the step makes
@@ -52,6 +54,7 @@ class Program:
     recorded: int  # instructions recorded
     eliminated: int  # instructions dead-code elimination removed
     merged: int  # all-reduces merged into others
+    fusable: tuple = ()  # positions of the calls workers may run inside fused segments
 
 
 def reads_of(ins) -> tuple:
@@ -94,11 +97,13 @@ def rename(ins, ids: dict):
     return ins
 
 
-def build_program(rec: Recording, input_tids, output_tids, pure_plans, describe, *, merge: bool = True) -> Program:
+def build_program(rec: Recording, input_tids, output_tids, pure_plans, describe, *, merge: bool = True,
+                  fusable_plan=None) -> Program:
     """Turn ``rec`` into a Program whose inputs are ``input_tids`` and outputs ``output_tids``.
 
     ``pure_plans``: plan ids whose calls write nothing but their fresh outputs (safe to drop when
-    unused). ``describe(ins)`` names an instruction for error messages.
+    unused). ``describe(ins)`` names an instruction for error messages. ``fusable_plan(plan_id)``
+    (None: fuse nothing) says whether a plan's unseeded calls may run inside a fused segment.
     """
     body = [ins for ins in rec.instructions if type(ins) in _BODY_TYPES]
     made = rec.first_tid
@@ -124,8 +129,10 @@ def build_program(rec: Recording, input_tids, output_tids, pure_plans, describe,
     kept = _eliminate_dead(body, made, released, set(outputs), pure_plans)
     merged = _merge_all_reduces(kept, pure_plans) if merge else kept
     final = _free_at_last_use(merged, made, released, set(outputs))
+    fusable = () if fusable_plan is None else tuple(
+        i for i, ins in enumerate(final) if type(ins) is Call and ins.seed is None and fusable_plan(ins.plan_id))
     return Program(tuple(final), tuple(VIRTUAL_BASE + k for k in range(len(input_tids))), tuple(outputs),
-                   seeds, signature, len(body), len(body) - len(kept), len(kept) - len(merged))
+                   seeds, signature, len(body), len(body) - len(kept), len(kept) - len(merged), fusable)
 
 
 def _number_seeds(body, rec):

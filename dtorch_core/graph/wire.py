@@ -79,7 +79,7 @@ class WireError(DTorchError):
 
 
 MAGIC = b"DW"
-VERSION = 1
+VERSION = 2  # 2: DefineProgram.fusable
 KIND_VALUE = 0  # any supported value (control messages)
 KIND_BATCH = 1  # a list of instructions
 KIND_REPLY = 2  # a Reply

@@ -37,6 +37,7 @@ from ..graph.instructions import (
 )
 from ..mesh import DeviceMesh, root_coordinate
 from .graphs import replay_graphed
+from .fused import FusedSegment, build_graph, compile_segment, split, unalias
 from .streams import WorkerStreams
 
 log = structlog.get_logger(__name__)
@@ -57,6 +58,7 @@ class LocalPlan:
     bind: object
     op_name: str
     seeded: bool
+    overload: object = None  # the OpOverload behind ``fn`` when it is a plain op (fused segments trace it)
 
 
 @attrs.frozen
@@ -139,6 +141,10 @@ class Worker:
         self.log = log.bind(rank=rank)
         # the device's compute/communication streams; the runner runs each batch in streams.run
         self.streams = streams if streams is not None else WorkerStreams(device)
+        # fused segments (dt.compile(fuse_local=True)): made, run compiled, given up on
+        self.fused_segments = 0
+        self.fused_runs = 0
+        self.fused_fallbacks = 0
 
     # -- stream ---------------------------------------------------------------------------
     def run_batch(self, batch) -> None:
@@ -193,6 +199,8 @@ class Worker:
                 store.pop(pid, None)
         elif t is MergedAllReduce:
             self._merged_all_reduce(ins)
+        elif t is FusedSegment:
+            self._fused(ins)
         elif t is DefineProgram:
             self._define_program(ins)
         elif t is DropProgram:
@@ -228,20 +236,26 @@ class Worker:
         args, kwargs = ins.args, ins.kwargs
         if ins.rank_args and self.rank in ins.rank_args:
             args, kwargs = ins.rank_args[self.rank]
+        overload = None
         try:
             fn = self.kernels.resolve(ins.target, self.device.type)
             if isinstance(fn, torch._ops.OpOverload):
-                fn = fn._op  # the C++ callable: skips one Python frame per call
+                overload, fn = fn, fn._op  # the C++ callable: skips one Python frame per call
         except Exception as exc:  # an unknown kernel fails each call, not the worker
             message = f"{type(exc).__name__}: {exc}"
 
             def fn(*_a, **_k):
                 raise RuntimeError(message)
 
-        self.plans[ins.plan_id] = LocalPlan(fn, _binder(args, kwargs), ins.op_name, ins.seeded)
+        self.plans[ins.plan_id] = LocalPlan(fn, _binder(args, kwargs), ins.op_name, ins.seeded, overload)
 
     def _define_program(self, ins: DefineProgram) -> None:
         body = list(ins.instructions)
+        if ins.fusable:
+            # the same segments on every rank (they depend on the program only): the inline
+            # runner steps all ranks through a replay together
+            body = split(body, ins.fusable, ins.outputs)
+            self.fused_segments += sum(type(x) is FusedSegment for x in body)
         seeded = tuple(i for i, x in enumerate(body) if type(x) is Call and x.seed is not None)
         self.programs[ins.program_id] = LoadedProgram(body, seeded, tuple(ins.inputs), frozenset(ins.outputs),
                                                       tuple(ins.outputs))
@@ -302,6 +316,52 @@ class Worker:
         for tid, o in zip(outs, out if isinstance(out, (list, tuple)) else (out,)):
             if tid >= 0:
                 store[tid] = o
+
+    def _fused(self, seg: FusedSegment) -> None:
+        store = self.store
+        vals = [store.get(t) for t in seg.inputs]
+        if seg.eager or any(v is None or type(v) is WorkerFailure for v in vals):
+            for call in seg.calls:  # failures travel call by call, as in an eager step
+                self._call(call)
+            return
+        if self.streams.outstanding:
+            self.streams.join_reads(vals)
+        try:
+            fn = seg.fn
+            if fn is None:
+                module = build_graph(seg, self.plans)
+                if module is None:  # not all of it is plain aten ops on this worker
+                    seg.eager = True
+                    for call in seg.calls:
+                        self._call(call)
+                    return
+                fn = seg.fn = compile_segment(module)  # compiles on its first call, just below
+            with torch.no_grad():  # worker tensors never need autograd; inference graphs compile faster
+                outs = fn(*vals)
+        except Exception as exc:
+            self._fused_failed(seg, exc)
+            return
+        if seg.check_alias:
+            outs, seg.check_alias = unalias(outs, vals)
+        for tid, value in zip(seg.outputs, outs):
+            store[tid] = value
+        self.fused_runs += 1
+
+    def _fused_failed(self, seg: FusedSegment, exc: Exception) -> None:
+        """Run the calls one by one; if they succeed, the compiler was at fault: stop using it here."""
+        for call in seg.calls:
+            self._call(call)
+        if any(type(self.store.get(t)) is WorkerFailure for call in seg.calls for t in call.outputs):
+            return  # a kernel fails on these values (e.g. an index out of range): keep the compiled code
+        seg.eager = True
+        seg.fn = None
+        self.fused_fallbacks += 1
+        ops = [self.plans[c.plan_id].op_name for c in seg.calls if c.plan_id in self.plans]
+        if self.fused_fallbacks == 1:
+            self.log.warning("a fused segment could not be compiled; its ops run one by one",
+                             ops=ops, error=f"{type(exc).__name__}: {str(exc)[:2000]}")
+        else:
+            self.log.debug("a fused segment could not be compiled", ops=ops, error=repr(exc))
 
     def _fail(self, outputs, failure) -> None:
         for tid in outputs:
@@ -403,4 +463,8 @@ class Worker:
                 if ptr not in seen:
                     seen.add(ptr)
                     nbytes += storage.nbytes()
-        return {"rank": self.rank, "live_tensors": live, "bytes": nbytes, **self.streams.memory_stats()}
+        stats = {"rank": self.rank, "live_tensors": live, "bytes": nbytes, **self.streams.memory_stats()}
+        if self.fused_segments:  # only sessions that fuse see these counters
+            stats.update(fused_segments=self.fused_segments, fused_runs=self.fused_runs,
+                         fused_fallbacks=self.fused_fallbacks)
+        return stats
