@@ -31,6 +31,11 @@ import _collectives_common as cc  # noqa: E402
 from _torchrun import wait_for, write_json  # noqa: E402
 
 
+def nccl_version() -> str:
+    v = torch.cuda.nccl.version()
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -110,7 +115,7 @@ def main() -> None:
     final = {"world_size": world, "backend": str(dist.get_backend()), "torch": torch.__version__,
              "python": platform.python_version(),
              "device": torch.cuda.get_device_name(local_rank) if cuda else "cpu",
-             "nccl_version": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+             "nccl_version": nccl_version() if cuda else None,
              "nccl_env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                           "NVSHMEM_DISABLE_NVLS")}}
     if sync_dir:
