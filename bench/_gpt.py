@@ -33,7 +33,7 @@ MODEL_OPTIONS = {  # option: (type, default, help)
     "--d-model": (int, 128, "model width"),
     "--heads": (int, 4, "attention heads"),
     "--layers": (int, 4, "transformer blocks"),
-    "--lr": (float, 3e-3, "AdamW learning rate"),
+    "--lr": (float, 1e-3, "AdamW learning rate"),
     "--seed": (int, 0, "initial weights and data order"),
 }
 

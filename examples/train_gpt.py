@@ -15,6 +15,10 @@ losses the distributed run matches within float32 tolerance (same seed, same dat
     python examples/train_gpt.py --ckpt-every 100     # sharded checkpoints in checkpoints/train_gpt/
     python examples/train_gpt.py --resume --steps 600 # continue from the latest one
 
+With the process runner, each worker runs ``cores / devices`` intra-op threads by default; for a
+model this small one thread per worker is several times faster on a many-core host
+(``DTORCH_WORKER_THREADS=1``: 7.7k instead of 2.0k tokens/s on 16 cores).
+
 The functions are importable (tests/test_train_gpt_example.py and bench/train_gpt.py use them):
 ``train(parse_args([...]))`` returns the loss of every step.
 """
@@ -396,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device type of the workers: cpu, or cuda with the dtorch_nccl plugin (default cpu)")
     p.add_argument("--steps", type=int, default=300, help="train until this step (a resumed run continues to it)")
     p.add_argument("--batch", type=int, default=16, help="sequences per step (split over dp)")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="initial weights and data order")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--d-model", type=int, default=128)

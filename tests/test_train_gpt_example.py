@@ -36,8 +36,20 @@ def _args(*extra):
     return train_gpt.parse_args(TINY + list(extra))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread():
+    """Kernels this small only lose from OpenMP: on a busy 2-core machine two intra-op threads
+    made the inline run 5-10x slower (each parallel region waits for a core for its second thread)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
-def reference():
+def reference(one_intra_op_thread):
     """Losses of the single-device run (plain torch), computed once for every runner."""
     return train_gpt.train(_args("--steps", "4", "--device-count", "1", "--plot", ""))
 
