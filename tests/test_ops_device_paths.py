@@ -1,7 +1,7 @@
 """Ops that torch reaches only on some devices or versions, called directly so every device runs
-them: F.rms_norm's fused op (CUDA), constant_pad_nd (F.pad; SDPA pads bool masks on CUDA) and
-leaky_relu (untagged before torch 2.13). Each is checked against plain torch, uneven shards
-included, Partial placements where the rule keeps them."""
+them: F.rms_norm's fused op (CUDA), constant_pad_nd (F.pad; SDPA pads bool masks on CUDA),
+leaky_relu (untagged before torch 2.13) and composite ops handed to dispatch unexpanded. Each is
+checked against plain torch, uneven shards included, Partial placements where the rule keeps them."""
 
 from __future__ import annotations
 
@@ -45,15 +45,19 @@ def test_constant_pad_nd(mesh, pad, value, spec):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64])
-def test_to_dtype_called_as_aten_op(mesh, dtype):
-    """``aten.to.dtype`` reaches dtorch unexpanded in torch 2.11: the same dtype is the tensor
-    itself, another one a copy that keeps the placement."""
-    x = torch.randn(7, 4)
+def test_composite_ops_handed_to_dispatch_expand_like_torch(mesh, dtype):
+    """Ops torch composes from others (``to``, ``type_as``) reach ``__torch_dispatch__`` unexpanded
+    when a decomposition inside dispatch calls them (torch 2.11): they expand as torch does. The
+    same dtype gives the tensor itself, another one a copy that keeps the placement."""
+    from dtorch_core.dispatch import dispatch
+
+    x, other = torch.randn(7, 4), torch.zeros(7, 4, dtype=dtype)
     xd = dt.distribute_tensor(x, mesh, on_mesh(mesh, (S(0), R)))
-    y = aten.to.dtype(xd, dtype)
-    assert (y is xd) == (dtype == torch.float32)
-    assert y.dtype == dtype and y.placements == xd.placements
-    torch.testing.assert_close(y.full_tensor(), x.to(dtype))
+    od = dt.distribute_tensor(other, mesh, on_mesh(mesh, (R, R)))
+    for y in (dispatch(aten.to.dtype, (xd, dtype), {}), dispatch(aten.type_as.default, (xd, od), {})):
+        assert (y is xd) == (dtype == torch.float32)
+        assert y.dtype == dtype and y.placements == xd.placements
+        torch.testing.assert_close(y.full_tensor(), x.to(dtype))
 
 
 @pytest.mark.parametrize("spec", [(S(0), R), (S(1), S(0)), (R, R)], ids=str)

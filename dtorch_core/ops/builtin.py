@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from ..hookspecs import hookimpl
-from . import (foreach, indexing, kernels, losses, materialize_kernel, matmul, nn, pointwise, reductions,
-               storage_kernels, views)
+from . import (composite, foreach, indexing, kernels, losses, materialize_kernel, matmul, nn, pointwise,
+               reductions, storage_kernels, views)
 
 
 @hookimpl
 def dtorch_register_ops(registry) -> None:
     for family in (pointwise, reductions, matmul, views, indexing, nn, losses, foreach):
         family.register(registry)
+    composite.register(registry)  # last: only ops that got nothing above
 
 
 @hookimpl

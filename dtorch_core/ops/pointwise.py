@@ -158,11 +158,6 @@ def register(registry) -> None:
         tags = op.tags
         if torch.Tag.pointwise in tags and torch.Tag.nondeterministic_seeded not in tags:
             registry.add(op, pointwise_rule(op))
-    # some torch versions (2.11) hand ``x.to(dtype)`` to a tensor subclass unexpanded: expand it as
-    # torch does (same dtype: ``x`` itself; otherwise ``_to_copy``, which has a rule)
-    for name in aten.to.overloads():
-        op = getattr(aten.to, name)
-        registry.add_decomposition(op, op.decompose, replace=True)
     for name in UNTAGGED:
         packet = getattr(aten, name)
         for overload in packet.overloads():
