@@ -171,24 +171,7 @@ def distribute(model: GPT, mesh) -> GPT:
     """Tensor parallel over mesh["tp"], data parallel over mesh["dp"] (in place)."""
     model = dt.nn.parallelize_module(model, mesh["tp"], tp_plan())
     model = dt.nn.data_parallel(model, mesh["dp"])
-    reduce_gradients_when_ready(model, mesh)
     return model
-
-
-def reduce_gradients_when_ready(model: nn.Module, mesh) -> None:
-    """All-reduce each gradient over "dp" once, as soon as backward has produced it (as DDP does).
-
-    Without this the gradients stay Partial sums over "dp" and every optimizer op that reads one
-    reduces it again: AdamW reads each gradient three times (lerp_, addcmul_ with itself), so
-    three all-reduces per parameter instead of one, and none of them overlaps the backward pass.
-    """
-
-    def reduce(p):
-        # the parameters live on mesh["tp"]; over "dp" they are replicated (data_parallel)
-        p.grad = p.grad.redistribute(mesh, [dt.Replicate(), *p.placements])
-
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(reduce)
 
 
 def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:

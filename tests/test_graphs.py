@@ -102,3 +102,18 @@ def test_a_failed_capture_falls_back_to_plain_replays(graph_workers):
         assert torch.equal(step(x).full_tensor(), (torch.arange(6.0) * 3).relu() - 1)
     state = next(iter(graph_workers[0].graphs.values()))
     assert state.graph is None and not state.usable
+
+
+def test_programs_of_other_inputs_alternate_with_a_graphed_one(graph_workers):
+    # every program names its inputs and outputs with the same ids: replays of one program must
+    # not take them from another's graph
+    mesh = dt.init_device_mesh("cpu", (1,))
+    lin = distribute_module(torch.nn.Linear(6, 4), mesh, {"weight": [dt.Shard(0)]})
+    step = dt.compile(lambda model, x: model(x).relu())
+    for shape in [(5, 6), (3, 6)] * 6:
+        x = torch.randn(shape)
+        out = step(lin, dt.distribute_tensor(x, mesh, [dt.Shard(0)]))
+        with torch.no_grad():
+            expected = lin(dt.distribute_tensor(x, mesh, [dt.Shard(0)])).relu().full_tensor()
+        assert torch.equal(out.full_tensor(), expected)
+    assert sum(g.graph is not None for g in graph_workers[0].graphs.values()) == 2

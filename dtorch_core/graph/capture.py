@@ -37,7 +37,7 @@ def recording(session):
     The session's methods are shadowed on the instance for the duration, so the eager hot path
     pays nothing for capture support when no recording is running.
     """
-    if "emit" in vars(session):
+    if getattr(session, "_recording", None) is not None:
         raise CaptureError("a capture is already running; captures do not nest")
     rec = Recording(session._tid, session._seed, session._seed_counter)
     emit, release, release_many, request = session.emit, session.release, session.release_many, session.request
@@ -58,13 +58,19 @@ def recording(session):
         rec.reads.append(_user_frame())
         return request(make, count)
 
+    shadowed = {name: vars(session).get(name) for name in ("emit", "release", "release_many", "request")}
     session.emit, session.release, session.release_many, session.request = (
         rec_emit, rec_release, rec_release_many, rec_request)
+    session._recording = rec
     try:
         yield rec
     finally:
-        for name in ("emit", "release", "release_many", "request"):
-            vars(session).pop(name, None)
+        session._recording = None
+        for name, previous in shadowed.items():
+            if previous is None:
+                vars(session).pop(name, None)
+            else:
+                setattr(session, name, previous)
         rec.seeds_drawn = session._seed_counter - rec.seed_counter
 
 

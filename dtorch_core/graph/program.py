@@ -26,7 +26,7 @@ from ..errors import CaptureError
 from .instructions import VIRTUAL_BASE, Call, Collective, Delete, MergedAllReduce, Put, program_seed
 
 _OUTPUT_BASE = VIRTUAL_BASE + (1 << 40)
-_BODY_TYPES = (Call, Collective, Put, Delete)
+_BODY_TYPES = (Call, Collective, MergedAllReduce, Put, Delete)
 
 
 @attrs.define
@@ -94,6 +94,8 @@ def rename(ins, ids: dict):
         return attrs.evolve(ins, tid=get(ins.tid, ins.tid))
     if t is Delete:
         return Delete(tuple(get(i, i) for i in ins.tids))
+    if t is MergedAllReduce:
+        return attrs.evolve(ins, srcs=tuple(get(i, i) for i in ins.srcs), dsts=tuple(get(o, o) for o in ins.dsts))
     return ins
 
 
@@ -188,6 +190,9 @@ def _signature(body, made) -> tuple:
         elif t is Collective:
             sig.append(("collective", ins.kind, ins.mesh_id, ins.mesh_dim, name(ins.src), name(ins.dst),
                         ins.dim, ins.reduce_op, ins.dim2))
+        elif t is MergedAllReduce:
+            sig.append(("merged", ins.mesh_id, ins.mesh_dim, ins.reduce_op, tuple(name(i) for i in ins.srcs),
+                        tuple(name(o) for o in ins.dsts)))
         else:
             sig.append(("put", name(ins.tid), ins.mesh_id, _PutValue(ins.shards)))
     return tuple(sig)

@@ -32,6 +32,7 @@ class GraphState:
     replays: int = 0
     graph: object = None
     inputs: list = attrs.field(factory=list)  # the graph's input buffers, per program input
+    outputs: list = attrs.field(factory=list)  # the graph's output tensors, per program output
 
 
 def graphable(worker, program) -> bool:
@@ -72,6 +73,13 @@ def replay_graphed(worker, run) -> bool:
     else:
         for buffer, value in zip(state.inputs, values):
             buffer.copy_(value)
+    # every program names its inputs and outputs with the same ids, so another program's replay
+    # may have taken them over in the store: give them back to this graph's buffers
+    for pid, buffer in zip(program.inputs, state.inputs):
+        store[pid] = buffer
+    for pid, out in zip(program.output_ids, state.outputs):
+        if out is not None:
+            store[pid] = out
     state.graph.replay()
     for pid, tid in zip(program.output_ids, run.outputs):
         value = store.get(pid)
@@ -100,6 +108,7 @@ def _capture(worker, program, state: GraphState, values) -> bool:
         for pid in program.inputs:
             store.pop(pid, None)
         return False
+    state.outputs = [store.get(pid) for pid in program.output_ids]
     log.debug("program captured as a device graph", rank=worker.rank, instructions=len(program.instructions))
     return True
 
