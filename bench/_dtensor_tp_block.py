@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _tp_block  # noqa: E402
-from _torchrun import wait_for, write_json  # noqa: E402
+from _torchrun import add_anchor_options, wait_for, write_json  # noqa: E402
 
 
 def check_values(block, y) -> dict:
@@ -54,11 +54,7 @@ def check_values(block, y) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     _tp_block.add_block_options(parser)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--sync-dir", default=None)
-    parser.add_argument("--wait-timeout", type=float, default=300.0)
+    add_anchor_options(parser)
     args = parser.parse_args()
 
     import torch.distributed as dist

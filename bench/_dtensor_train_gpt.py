@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _gpt  # noqa: E402
-from _torchrun import wait_for, write_json  # noqa: E402
+from _torchrun import add_anchor_options, wait_for, write_json  # noqa: E402
 
 
 def tp_plan():
@@ -79,11 +79,7 @@ def main() -> None:
     _gpt.add_model_options(parser)
     parser.add_argument("--dp", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--sync-dir", default=None)
-    parser.add_argument("--wait-timeout", type=float, default=300.0)
+    add_anchor_options(parser)
     args = parser.parse_args()
 
     torch.set_num_threads(1)

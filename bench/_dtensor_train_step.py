@@ -33,17 +33,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _gpt  # noqa: E402
 from _dtensor_train_gpt import tp_plan, train_step  # noqa: E402  (the same torch plan and step)
-from _torchrun import wait_for, write_json  # noqa: E402
+from _torchrun import add_anchor_options, wait_for, write_json  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     _gpt.add_model_options(parser)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--sync-dir", default=None)
-    parser.add_argument("--wait-timeout", type=float, default=300.0)
+    add_anchor_options(parser)
     args = parser.parse_args()
 
     torch.set_num_threads(1)

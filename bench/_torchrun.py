@@ -27,6 +27,16 @@ import time
 # ---------------------------------------------------------------------------------------------
 # the anchor's side (runs in every torchrun rank)
 # ---------------------------------------------------------------------------------------------
+def add_anchor_options(parser, *, steps: bool = True) -> None:
+    """The options every torchrun anchor takes: rounds of steps driven through ``--sync-dir``."""
+    parser.add_argument("--warmup", type=int, default=3)
+    if steps:
+        parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sync-dir", default=None)
+    parser.add_argument("--wait-timeout", type=float, default=300.0)
+
+
 def write_json(path: str, value) -> None:
     """Write ``value`` so that the reader never sees a half-written file."""
     tmp = path + ".tmp"

@@ -88,10 +88,11 @@ class DtorchSide:
         mesh = dt.init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
         dt.manual_seed(args.seed)
         self.model = self.ex.distribute(self.ex.build_model(_gpt.config(args), args.seed), mesh)
-        self.opt = self.ex.make_optimizer(self.model, args.lr)
+        self.opt = self.ex.make_optimizer(self.model, args.lr, replayable=args.compile)
+        self.step = self.ex.make_step(self.model, self.opt, mesh, compile=args.compile)
         self.data = self.ex.load_corpus()
         self.losses: list = []
-        self.run(args.warmup)  # plan-cache misses happen here
+        self.run(args.warmup)  # plan-cache misses (and with --compile, the capture) happen here
         dt.synchronize()
 
     def run(self, n: int) -> None:
@@ -99,7 +100,7 @@ class DtorchSide:
         for _ in range(n):
             tokens, targets = self.ex.get_batch(self.data, len(self.losses), a.batch, a.seq_len, a.seed)
             # not read here: the controller runs ahead of the workers
-            self.losses.append(self.ex.train_step(self.model, self.opt, tokens, targets).detach())
+            self.losses.append(self.step(tokens, targets).detach())
 
     def round(self) -> float:
         gc.collect()
@@ -135,12 +136,17 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="training steps timed per round and side (default 5)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per side, interleaved (default 3)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, on every side (default 3)")
+    parser.add_argument("--compile", action="store_true",
+                        help="dtorch side: the example's step captured and replayed (dt.compile, dtorch's AdamW); "
+                             "the warm-up is then at least 3 steps (a warm-up call and two recordings)")
     parser.add_argument("--stat", choices=sorted(STATS), default="best",
                         help="how rounds are summarised (default best: least disturbed by other load)")
     _gpt.add_model_options(parser)
     parser.add_argument("--json", dest="json_out", help="also write every sample and the summary to this JSON file")
     parser.add_argument("--anchor-timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
+    if args.compile:
+        args.warmup = max(args.warmup, 3)
     if args.batch % args.dp:
         parser.error(f"--batch {args.batch} must divide by --dp {args.dp} (the DTensor side splits it evenly)")
 
@@ -187,7 +193,7 @@ def main(argv=None) -> int:
     summary = {k: stat(v) for k, v in tps.items()}
     diffs = {k: max_rel_diff(losses[k], losses["plain"]) for k in ("dtorch", "dtensor")}
     labels = {
-        "dtorch": f"dtorch ({args.runner} runner, dp{args.dp} x tp{args.tp})",
+        "dtorch": f"dtorch ({args.runner} runner, dp{args.dp} x tp{args.tp}{', dt.compile' if args.compile else ''})",
         "dtensor": f"DTensor (torchrun x{world}, gloo, dp{args.dp} x tp{args.tp})",
         "plain": "plain torch (1 process, 1 device)",
     }

@@ -174,8 +174,26 @@ def distribute(model: GPT, mesh) -> GPT:
     return model
 
 
-def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+def make_optimizer(model: nn.Module, lr: float, *, replayable: bool = False) -> torch.optim.Optimizer:
+    """AdamW; ``replayable``: dtorch's, whose step count lives on the workers (dt.compile needs it)."""
+    adamw = dt.optim.AdamW if replayable else torch.optim.AdamW
+    return adamw(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+
+
+def make_step(model: nn.Module, opt: torch.optim.Optimizer, mesh=None, *, compile: bool = False):
+    """``step(tokens, targets) -> loss``: ``train_step`` on this model, captured once and replayed
+    from one message per call with ``compile`` (the batch is then distributed before the call:
+    a captured step takes distributed tensors)."""
+    if not compile or mesh is None:
+        return lambda tokens, targets: train_step(model, opt, tokens, targets)
+    compiled = dt.compile(train_step)
+    batch = [dt.Shard(0), dt.Replicate()]  # rows over "dp", whole on "tp"
+
+    def step(tokens, targets):
+        return compiled(model, opt, dt.distribute_tensor(tokens, mesh, batch),
+                        dt.distribute_tensor(targets, mesh, batch))
+
+    return step
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, tokens, targets):
@@ -292,11 +310,13 @@ def train(args) -> list[float]:
             mesh = dt.init_device_mesh(dt.device_type(), (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
             dt.manual_seed(args.seed)
             model = distribute(build_model(cfg, args.seed), mesh)
-            where = f"{args.dp}x{args.tp} mesh (dp x tp)"
+            where = f"{args.dp}x{args.tp} mesh (dp x tp)" + (", compiled" if args.compile else "")
         else:
+            mesh = None
             model = build_model(cfg, args.seed)
             where = "1 device (plain torch)"
-        opt = make_optimizer(model, args.lr)
+        opt = make_optimizer(model, args.lr, replayable=args.compile and mesh is not None)
+        step_fn = make_step(model, opt, mesh, compile=args.compile)
         n_params = sum(p.numel() for p in model.parameters())
         log.info("model", params=n_params, layers=cfg.layers, d_model=cfg.d_model, heads=cfg.heads,
                  seq_len=cfg.seq_len, batch=args.batch, on=where, corpus_bytes=data.numel())
@@ -319,7 +339,7 @@ def train(args) -> list[float]:
         try:
             for step in bar:
                 tokens, targets = get_batch(data, step, args.batch, cfg.seq_len, args.seed)
-                pending.append(train_step(model, opt, tokens, targets).detach())
+                pending.append(step_fn(tokens, targets).detach())
                 last = step + 1 == args.steps
                 save = bool(args.ckpt_every) and ((step + 1) % args.ckpt_every == 0 or last)
                 if save or last or (step + 1) % args.log_every == 0:
@@ -389,6 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--compile", action="store_true",
+                   help="capture the training step once and replay it (dt.compile, with dtorch's AdamW)")
     p.add_argument("--data", default=str(DATA), help="training text (read as bytes)")
     p.add_argument("--ckpt-dir", default="checkpoints/train_gpt", help="where step-N checkpoints go")
     p.add_argument("--ckpt-every", type=int, default=0, metavar="N",

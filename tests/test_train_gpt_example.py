@@ -92,3 +92,19 @@ def test_checkpoint_options_fail_clearly_without_the_api(monkeypatch):
 def test_mismatched_device_count_is_refused():
     with pytest.raises(SystemExit, match="--device-count 2 but --dp 2 x --tp 2"):
         train_gpt.train(_args("--device-count", "2", "--steps", "1", "--plot", ""))
+
+
+@needs_world_size(4)
+def test_compiled_steps_match_single_device_and_resume(runner, reference, tmp_path):
+    """--compile: the step is captured (warm-up, two recordings) and replayed from step 4 on;
+    dtorch's AdamW keeps its step count on the workers, and it checkpoints and resumes too."""
+    import dtorch_core as dt
+
+    ckpt = tmp_path / "ckpt"
+    full = train_gpt.train(_args("--compile", "--steps", "6", "--ckpt-every", "3", "--ckpt-dir", str(ckpt),
+                                 "--plot", ""))
+    assert full[:4] == pytest.approx(reference, rel=1e-4)  # dtorch's AdamW: float32 bias corrections
+    resumed = train_gpt.train(_args("--compile", "--steps", "6", "--resume", str(ckpt / "step-000003"),
+                                    "--ckpt-dir", str(tmp_path / "other"), "--plot", ""))
+    assert resumed == pytest.approx(full, rel=1e-5)
+    assert dt.fallback_counts() == {}

@@ -388,6 +388,11 @@ class Worker:
                 self.streams.join_reads((x,))
             self.store[ins.dst] = local_step(ins.kind, x, index, size, ins.dim, ins.reduce_op)
             return
+        self._communicate(ins, gi, index, size, x, functools.partial(self.store.__setitem__, ins.dst))
+
+    def _communicate(self, ins, gi: int, index: int, size: int, x, done) -> None:
+        """Run ``ins`` (a communicating step) with contribution ``x``; ``done(result)`` stores it
+        now, or once the peers have contributed (lockstep runners)."""
         group_key = (ins.mesh_id, ins.mesh_dim, gi)
         seq = self.seq.get(group_key, 0)
         self.seq[group_key] = seq + 1
@@ -395,9 +400,9 @@ class Worker:
         compute = functools.partial(_compute_collective, ins, self.rank)
         result = self.streams.communicate(functools.partial(self.exchange.exchange, key, index, size, x, compute), x)
         if result is PENDING:
-            self.pending.append((key, index, compute, functools.partial(self.store.__setitem__, ins.dst)))
-            return
-        self.store[ins.dst] = result
+            self.pending.append((key, index, compute, done))
+        else:
+            done(result)
 
     def _merged_all_reduce(self, ins: MergedAllReduce) -> None:
         view = self.meshes.get(ins.mesh_id)
@@ -419,17 +424,7 @@ class Worker:
             if size == 1:  # a group of one: the (new) packed tensor is the result
                 unpack(packed)
                 continue
-            group_key = (ins.mesh_id, ins.mesh_dim, gi)
-            seq = self.seq.get(group_key, 0)
-            self.seq[group_key] = seq + 1
-            key = group_key + (seq,)
-            compute = functools.partial(_compute_collective, step, self.rank)
-            result = self.streams.communicate(functools.partial(self.exchange.exchange, key, index, size, packed,
-                                                                compute), packed)
-            if result is PENDING:
-                self.pending.append((key, index, compute, unpack))
-            else:
-                unpack(result)
+            self._communicate(step, gi, index, size, packed, unpack)
 
     def _unpack(self, dsts, values, result) -> None:
         if type(result) is WorkerFailure:
