@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import sys
 import time
 
@@ -30,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _streams  # noqa: E402  (bench-local helper, shared with dispatch.py)
-from _torchrun import wait_for as _wait_for, write_json as _write_json  # noqa: E402
+from _torchrun import environment, report_final, wait_for as _wait_for, write_json as _write_json  # noqa: E402
 
 
 def main() -> None:
@@ -90,21 +88,11 @@ def main() -> None:
     ok = bool(torch.allclose(check, _streams.STREAMS["mix"][0](a_full, b_full)))
     final = {
         "world_size": world,
-        "backend": dist.get_backend(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "num_threads": torch.get_num_threads(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        **environment(),
         "values_ok": ok,
         "samples_us": samples,
     }
-    if rank == 0:
-        if sync:
-            _write_json(os.path.join(sync, "final.json"), final)
-        else:
-            print(json.dumps(final, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
+    report_final(final, rank, sync)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import argparse
 import gc
 import inspect
 import os
-import platform
 import sys
 import time
 
@@ -33,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _gpt  # noqa: E402
-from _torchrun import add_anchor_options, wait_for, write_json  # noqa: E402
+from _torchrun import add_anchor_options, environment, report_final, wait_for, write_json  # noqa: E402
 
 
 def tp_plan():
@@ -138,23 +137,11 @@ def main() -> None:
     final = {
         "world_size": dist.get_world_size(),
         "mesh": {"dp": args.dp, "tp": args.tp},
-        "backend": dist.get_backend(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "num_threads": torch.get_num_threads(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        **environment(),
         "losses": (local / args.dp).tolist(),
         "samples": samples,
     }
-    if rank == 0:
-        if sync:
-            write_json(os.path.join(sync, "final.json"), final)
-        else:
-            import json
-
-            print(json.dumps(final, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
+    report_final(final, rank, sync)
 
 
 if __name__ == "__main__":

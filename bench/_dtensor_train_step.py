@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import platform
 import sys
 import time
 
@@ -33,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _gpt  # noqa: E402
 from _dtensor_train_gpt import tp_plan, train_step  # noqa: E402  (the same torch plan and step)
-from _torchrun import add_anchor_options, wait_for, write_json  # noqa: E402
+from _torchrun import add_anchor_options, environment, report_final, wait_for, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -84,23 +83,11 @@ def main() -> None:
 
     final = {
         "world_size": dist.get_world_size(),
-        "backend": dist.get_backend(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "num_threads": torch.get_num_threads(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        **environment(),
         "losses": [v.full_tensor().item() for v in losses],
         "samples": samples,
     }
-    if rank == 0:
-        if sync:
-            write_json(os.path.join(sync, "final.json"), final)
-        else:
-            import json
-
-            print(json.dumps(final, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
+    report_final(final, rank, sync)
 
 
 if __name__ == "__main__":

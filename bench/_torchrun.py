@@ -37,6 +37,31 @@ def add_anchor_options(parser, *, steps: bool = True) -> None:
     parser.add_argument("--wait-timeout", type=float, default=300.0)
 
 
+def environment() -> dict:
+    """What an anchor reports about the process it ran in (inside an initialised process group)."""
+    import platform
+
+    import torch
+    import torch.distributed as dist
+
+    return {"backend": dist.get_backend(), "torch": torch.__version__, "python": platform.python_version(),
+            "num_threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+
+
+def report_final(final: dict, rank: int, sync_dir: str | None) -> None:
+    """Rank 0 hands the anchor's final JSON over (``final.json`` in ``sync_dir``, else stdout);
+    then every rank leaves its process group."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        if sync_dir:
+            write_json(os.path.join(sync_dir, "final.json"), final)
+        else:
+            print(json.dumps(final, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def write_json(path: str, value) -> None:
     """Write ``value`` so that the reader never sees a half-written file."""
     tmp = path + ".tmp"
