@@ -25,6 +25,9 @@ class DeviceMesh:
     mesh_dim_names: tuple[str, ...] | None = None
     root_dims: tuple[int, ...] | None = None  # None: this mesh is a root
     root_shape: tuple[int, ...] | None = attrs.field(default=None, eq=False)
+    # a view's root is found by its devices and names: meshes of the same devices with other dim
+    # names are other meshes
+    root_names: tuple[str, ...] | None = None
 
     @property
     def ndim(self) -> int:
@@ -71,6 +74,7 @@ class DeviceMesh:
             tuple(root.mesh_dim_names[d] for d in root_dims) if root.mesh_dim_names else None,
             root_dims,
             root.shape,
+            root.mesh_dim_names,
         )
 
     def get_coordinate(self, rank: int) -> tuple[int, ...] | None:
@@ -111,7 +115,7 @@ _ROOTS: dict = {}
 
 
 def _root_cache(view: DeviceMesh) -> DeviceMesh:
-    key = (view.device_type, view.root_shape, view.ranks)
+    key = (view.device_type, view.root_shape, view.ranks, view.root_names)
     root = _ROOTS.get(key)
     if root is None:
         raise PlacementError("sub-mesh refers to a root mesh that no longer exists")
@@ -119,7 +123,7 @@ def _root_cache(view: DeviceMesh) -> DeviceMesh:
 
 
 def _register_root(mesh: DeviceMesh) -> DeviceMesh:
-    key = (mesh.device_type, mesh.shape, mesh.ranks)
+    key = (mesh.device_type, mesh.shape, mesh.ranks, mesh.mesh_dim_names)
     return _ROOTS.setdefault(key, mesh)
 
 

@@ -212,3 +212,15 @@ def test_plain_tensor_is_replicated_on_the_mesh(mesh2d):
     bias.add_(1.0)  # later changes on the controller do not leak into issued ops
     y = x - bias
     assert_close(y, t - bias)
+
+
+def test_meshes_of_the_same_devices_keep_their_own_dim_names(runner):
+    plain = dt.init_device_mesh("cpu", (2, 2))
+    named = dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    assert plain.mesh_dim_names is None and named.mesh_dim_names == ("dp", "tp")
+    assert named["tp"].root is named and named["tp"].mesh_dim_names == ("tp",)
+    t = torch.randn(5, 4)
+    x = dt.distribute_tensor(t, named["tp"], [dt.Shard(1)])
+    y = dt.distribute_tensor(t, plain, [dt.Shard(0), dt.Replicate()])
+    assert "mesh_dim_names=('tp',)" in repr(x)
+    assert torch.equal(x.full_tensor(), t) and torch.equal(y.full_tensor(), t)
