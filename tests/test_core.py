@@ -227,3 +227,13 @@ def test_meshes_of_the_same_devices_keep_their_own_dim_names(runner):
     y = dt.distribute_tensor(t, plain, [dt.Shard(0), dt.Replicate()])
     assert "mesh_dim_names=('tp',)" in repr(x)
     assert torch.equal(x.full_tensor(), t) and torch.equal(y.full_tensor(), t)
+
+
+def test_workers_map_the_handles_device_to_their_own():
+    from dtorch_core.graph.instructions import Slot
+    from dtorch_core.runtime.worker import on_device
+
+    mine = torch.device("cuda", 3)
+    args = (Slot(0), [torch.device("cuda", 0), 2], torch.device("cpu"))
+    assert on_device(args, mine) == (Slot(0), [mine, 2], torch.device("cpu"))
+    assert on_device(torch.device("cuda"), mine) == mine

@@ -85,6 +85,15 @@ class LoadedProgram:
     output_ids: tuple
 
 
+def on_device(x, device: torch.device):
+    """``x`` with every torch.device of ``device``'s type (in tuples and lists too) made ``device``."""
+    if type(x) is torch.device:
+        return device if x.type == device.type else x
+    if type(x) is tuple or type(x) is list:
+        return type(x)(on_device(a, device) for a in x)
+    return x
+
+
 def _binder(args, kwargs):
     """A function vals -> (args, kwargs) with Slots replaced; fast for flat argument lists."""
     nested = any(type(a) in (tuple, list) and _has_slot(a) for a in args) or any(
@@ -236,6 +245,10 @@ class Worker:
         args, kwargs = ins.args, ins.kwargs
         if ins.rank_args and self.rank in ins.rank_args:
             args, kwargs = ins.rank_args[self.rank]
+        if self.device.index is not None:
+            # handles report the first device of their type (cuda:0); ``device=x.device`` in an op
+            # means this worker's own device
+            args, kwargs = on_device(args, self.device), {k: on_device(v, self.device) for k, v in kwargs.items()}
         overload = None
         try:
             fn = self.kernels.resolve(ins.target, self.device.type)
