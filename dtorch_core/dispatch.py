@@ -110,10 +110,20 @@ def flatten_outputs(out) -> tuple[list, Callable]:
         return [], lambda flat: None
     if type(out) in (tuple, list):
         kind = type(out)
-        for o in out:
-            if o is not None and not isinstance(o, torch.Tensor):
+        flat, sizes = [], {}
+        for k, o in enumerate(out):
+            if o is None or isinstance(o, torch.Tensor):
+                flat.append(o)
+            elif isinstance(o, (int, torch.SymInt)) and not isinstance(o, bool):
+                # sizes (flash attention's max_q/max_k): the controller knows them from the
+                # global shapes, the workers' values are not needed
+                sizes[k] = o
+                flat.append(None)
+            else:
                 raise OpError(f"output {o!r} is not a tensor")
-        return list(out), lambda flat: kind(flat)
+        if sizes:
+            return flat, lambda outs: kind(sizes.get(k, o) if k in sizes else o for k, o in enumerate(outs))
+        return flat, lambda outs: kind(outs)
     raise OpError(f"op returned {type(out).__name__}, which dtorch cannot distribute")
 
 

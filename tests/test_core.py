@@ -14,7 +14,7 @@ from dtorch_core.ops.common import R
 from dtorch_core.ops.registry import Strategy
 from dtorch_core.plugins import get_plugins
 
-from .helpers import DEVICE, assert_close, bad_index_raises, needs_world_size
+from .helpers import DEVICE, MESH_2D, assert_close, bad_index_raises, needs_world_size
 
 
 def test_metadata_without_round_trip(mesh2d):
@@ -218,8 +218,8 @@ def test_plain_tensor_is_replicated_on_the_mesh(mesh2d):
 
 
 def test_meshes_of_the_same_devices_keep_their_own_dim_names(runner):
-    plain = dt.init_device_mesh("cpu", (2, 2))
-    named = dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plain = dt.init_device_mesh(DEVICE, MESH_2D)
+    named = dt.init_device_mesh(DEVICE, MESH_2D, mesh_dim_names=("dp", "tp"))
     assert plain.mesh_dim_names is None and named.mesh_dim_names == ("dp", "tp")
     assert named["tp"].root is named and named["tp"].mesh_dim_names == ("tp",)
     t = torch.randn(5, 4)

@@ -195,6 +195,17 @@ def test_sdpa_larger_uneven(mesh, spec):
     assert out[0].placements == tuple(on_mesh(mesh, spec))
 
 
+@pytest.mark.parametrize("spec", [(S0, R), (S1, S0)], ids=str)
+def test_sdpa_bf16_fused_kernels(mesh, spec):
+    # bf16 takes torch's flash kernels; on CUDA their outputs include the sizes max_q and max_k as
+    # Python ints, which the backward takes back; 6 heads and 3 batches shard unevenly on 4 ranks
+    b, h, l, e = 3, 6, 16, 64
+    q, k, v = (torch.randn(b, h, l, e).to(torch.bfloat16) for _ in range(3))
+    out = check(mesh, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), [q, k, v],
+                [spec] * 3, grad=(0, 1, 2), atol=3e-2, rtol=3e-2)
+    assert out[0].placements == tuple(on_mesh(mesh, spec))
+
+
 # ---------------------------------------------------------------------------------------------
 # cross_entropy / nll_loss
 # ---------------------------------------------------------------------------------------------

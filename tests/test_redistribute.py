@@ -9,7 +9,7 @@ import torch
 
 import dtorch_core as dt
 
-from .helpers import assert_close, needs_world_size
+from .helpers import DEVICE, WORLD_SIZE, assert_close, needs_world_size
 
 ONE_DIM = [dt.Replicate(), dt.Shard(0), dt.Shard(1), dt.Partial("sum"), dt.Partial("max"), dt.Partial("avg")]
 
@@ -126,7 +126,7 @@ def test_a_partial_input_is_reduced_once_while_unchanged(mesh, monkeypatch):
 
 
 def test_collectives_in_a_group_of_one_are_local_copies(runner):
-    mesh = dt.init_device_mesh("cpu", (4, 1), mesh_dim_names=("x", "one"))
+    mesh = dt.init_device_mesh(DEVICE, (WORLD_SIZE, 1), mesh_dim_names=("x", "one"))
     t = torch.randn(7, 3)
     for src in ONE_DIM:
         for dst in ONE_DIM:

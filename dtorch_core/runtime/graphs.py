@@ -33,6 +33,7 @@ class GraphState:
     graph: object = None
     inputs: list = attrs.field(factory=list)  # the graph's input buffers, per program input
     outputs: list = attrs.field(factory=list)  # the graph's output tensors, per program output
+    fused_runs: int = 0  # fused segments a launch runs without running their Python
 
 
 def graphable(worker, program) -> bool:
@@ -80,7 +81,10 @@ def replay_graphed(worker, run) -> bool:
     for pid, out in zip(program.output_ids, state.outputs):
         if out is not None:
             store[pid] = out
+    fused_before = worker.fused_runs
     state.graph.replay()
+    if worker.fused_runs == fused_before:  # a real device graph: count the segments it ran
+        worker.fused_runs += state.fused_runs
     for pid, tid in zip(program.output_ids, run.outputs):
         value = store.get(pid)
         if isinstance(value, torch.Tensor):
@@ -96,12 +100,15 @@ def _capture(worker, program, state: GraphState, values) -> bool:
     state.inputs = [v.clone() for v in values]
     for pid, buffer in zip(program.inputs, state.inputs):
         store[pid] = buffer
+    fused_before = worker.fused_runs
     try:
         state.graph = worker.streams.capture(lambda: [worker.execute(ins) for ins in program.instructions])
     except Exception as exc:
         state.graph = None
         log.warning("device graph capture failed; this program replays without one",
                     rank=worker.rank, error=f"{type(exc).__name__}: {exc}")
+    # a capture records fused segments without running them; the launch that follows runs them
+    captured_runs, worker.fused_runs = worker.fused_runs - fused_before, fused_before
     if state.graph is None:
         state.usable = False
         state.inputs = []
@@ -109,6 +116,7 @@ def _capture(worker, program, state: GraphState, values) -> bool:
             store.pop(pid, None)
         return False
     state.outputs = [store.get(pid) for pid in program.output_ids]
+    state.fused_runs = captured_runs
     log.debug("program captured as a device graph", rank=worker.rank, instructions=len(program.instructions))
     return True
 
