@@ -22,6 +22,7 @@ from .graph.instructions import Call, Collective, DefinePlan, Slot, fill_slots
 from .mesh import DeviceMesh, root_coordinate
 from .ops.registry import LocalCall, OpCall, Rule, Strategy
 from .placement import Partial, Replicate, Shard
+from .comm.hints import emit_steps
 from .redistribute import plan_redistribute, redistribute_cost
 from .runtime.kernels import SEEDED_PREFIX
 from .spec import TensorSpec, contiguous_stride, shard_region
@@ -172,11 +173,10 @@ class DirectPlan:
                     and not getattr(x, "_view_state", 0):
                 tid = _moved_copy(session, x, tid, steps, self.mesh_id)
                 steps = ()
-            for step in steps:
-                new = session.new_tid()
-                emit(Collective(step.kind, self.mesh_id, step.mesh_dim, tid, new, step.dim, step.reduce_op, step.dim2))
-                temps.append(new)
-                tid = new
+            if steps:
+                made = emit_steps(session, self.mesh_id, tid, steps, x._spec if type(x) is DTensor else None)
+                temps.extend(made)
+                tid = made[-1]
             tids.append(tid)
         for i, spec in self.rebind:
             # the op writes the redistributed copy; the user's handle now names that copy
@@ -268,14 +268,8 @@ def _moved_copy(session, x: DTensor, tid: int, steps, mesh_id: int) -> int:
     hit = moved.get(key)
     if hit is not None and hit[1] == session.view_writes:
         return hit[0].tid
-    emit = session.emit
-    src = tid
-    made = []
-    for step in steps:
-        new = session.new_tid()
-        emit(Collective(step.kind, mesh_id, step.mesh_dim, src, new, step.dim, step.reduce_op, step.dim2))
-        made.append(new)
-        src = new
+    made = emit_steps(session, mesh_id, tid, steps, x._spec)
+    src = made[-1]
     session.release_many(made[:-1])
     moved[key] = (_tensor_mod._Handle(src, session), session.view_writes)
     return src
@@ -695,13 +689,8 @@ def redistribute_now(x: DTensor, placements: tuple, view: DeviceMesh | None = No
         session.emit(Collective("alias", session.mesh_id(spec.mesh), 0, x._tid, tid))
         return DTensor._make(new_spec, view or view_for(new_spec, x._view), tid, session)
     mesh_id = session.mesh_id(spec.mesh)
-    tid = x._tid
-    temps = []
-    for step in steps:
-        new = session.new_tid()
-        session.emit(Collective(step.kind, mesh_id, step.mesh_dim, tid, new, step.dim, step.reduce_op, step.dim2))
-        temps.append(new)
-        tid = new
+    temps = emit_steps(session, mesh_id, x._tid, steps, spec)
+    tid = temps[-1]
     session.release_many(temps[:-1])
     return DTensor._make(new_spec, view or view_for(new_spec, x._view), tid, session)
 

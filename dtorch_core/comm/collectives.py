@@ -64,3 +64,16 @@ def combine_all(kind: str, values: list, dim: int, reduce_op: str, dim2: int) ->
         # member j holds shard j along ``dim`` of the whole; member i gets chunk i along dim2
         return [torch.cat([chunk_of(v, dim2, k, i) for v in values], dim=dim) for i in range(k)]
     raise ValueError(kind)
+
+
+def combine_one(kind: str, values: list, dim: int, reduce_op: str, dim2: int, index: int) -> torch.Tensor:
+    """Member ``index``'s result of a communicating step (the values of :func:`combine_all`)."""
+    if kind == "all_gather":
+        return torch.cat(values, dim=dim)
+    if kind == "all_reduce":
+        return reduce_all(values, reduce_op)
+    if kind == "reduce_scatter":
+        return chunk_of(reduce_all(values, reduce_op), dim, len(values), index).clone()
+    if kind == "all_to_all":
+        return torch.cat([chunk_of(v, dim2, len(values), index) for v in values], dim=dim)
+    raise ValueError(kind)

@@ -1,21 +1,37 @@
 """Collectives between worker processes through torch.distributed.
 
-Every communicating step is an all-gather of the members' contributions followed by the same
-``combine_all`` arithmetic the in-process runners use, so every runner computes the same values.
-Contributions travel as bytes (any dtype, any shape, uneven sizes): first a small header per
-member (failed flag, dtype, shape), then the padded payloads. Headers always live on the CPU, so
-reading them never waits for a device; payloads live on the worker's device. With a mixed
-backend such as ``"cpu:gloo,cuda:nccl"`` the headers go through gloo and CUDA payloads through
-NCCL, on the caller's current stream (the worker's communication stream).
+The members of a group must agree on every contribution's size before payloads move. The
+controller knows them all, so its instructions carry every rank's local shape and the dtype
+(``Collective.shapes``/``dtype``, comm/hints.py) and the payloads move with no header exchange:
+
+- on CPU (gloo) every step is one all-gather of the contributions (padded to the largest)
+  followed by the ``combine_all`` arithmetic of the in-process runners, so every runner computes
+  the same bits;
+- on devices (NCCL) each kind runs as the matching torch.distributed collective
+  (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``, ``all_to_all_single``),
+  padded where shards are uneven, on the caller's current stream (the worker's communication
+  stream). Reductions then run in the library's order, not group order.
+
+A member whose contribution failed (an earlier kernel failed on it) still takes part, with zeros
+of the expected shape, so its peers never wait for it; it keeps the failure as ``poisoned`` and
+every later Fetch or Stats reply carries it (the controller asks every rank, see
+``Session.fetch``), since its peers went on with zeros in its place. Instructions without shapes
+(made by an older controller or by hand) take the slow path: a header all-gather (failed flag,
+dtype, shape) on the CPU first, then the padded payloads, which fails the step for every member.
 """
 
 from __future__ import annotations
+
+import math
+import os
 
 import attrs
 import torch
 import torch.distributed as dist
 
+from ..graph.instructions import WorkerFailure
 from ..mesh import DeviceMesh
+from ..placement import chunk_extent
 
 MAX_NDIM = 16
 _DTYPES = [
@@ -23,6 +39,12 @@ _DTYPES = [
     torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 ]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
+_NATIVE_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                            torch.int8, torch.uint8})
+# torch 2.13 renamed these (the old names warn); 2.11 has only the old ones
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 @attrs.define
@@ -31,11 +53,21 @@ class DistExchange:
 
     rank: int
     device: torch.device
-    groups: dict = attrs.field(factory=dict)  # (mesh_id, mesh_dim, group index) -> process group
+    groups: dict = attrs.field(factory=dict)  # (mesh_id, mesh_dim, group index) -> (group, members)
+    positions: dict = attrs.field(factory=dict)  # mesh_id -> {rank: position in the mesh's rank order}
+    poisoned: WorkerFailure | None = None
+    # whether collectives run as the backend's own (devices) or as all-gathers (CPU);
+    # DTORCH_NATIVE_COLLECTIVES=1 takes the native path on CPU too (gloo), to test it without GPUs
+    native: bool = attrs.field()
+
+    @native.default
+    def _native_default(self) -> bool:
+        return self.device.type != "cpu" or os.environ.get("DTORCH_NATIVE_COLLECTIVES") == "1"
 
     def define_mesh(self, mesh_id: int, shape, ranks) -> None:
         """Create one process group per group of every mesh dim (every rank must call this)."""
         root = DeviceMesh("worker", tuple(shape), tuple(ranks))
+        self.positions[mesh_id] = {r: i for i, r in enumerate(ranks)}
         for d in range(len(shape)):
             for gi, members in enumerate(root.groups(d)):
                 group = dist.new_group(list(members)) if len(members) > 1 else None
@@ -43,11 +75,29 @@ class DistExchange:
                     self.groups[(mesh_id, d, gi)] = (group, members)
 
     def exchange(self, key, index: int, size: int, value, compute):
-        from ..graph.instructions import WorkerFailure
-
         if size == 1:
             return compute([value])[0]
         group, members = self.groups[key[:3]]
+        ins = getattr(compute, "ins", None)
+        if ins is None or not ins.shapes:
+            return self._with_headers(group, members, index, value, compute)
+        where = self.positions[ins.mesh_id]
+        shapes = [tuple(ins.shapes[where[m]]) for m in members]
+        failure = value if type(value) is WorkerFailure else None
+        if failure is not None:
+            if self.poisoned is None:
+                self.poisoned = WorkerFailure(
+                    value.rank, value.op, value.source,
+                    f"{value.message} (the peers of rank {self.rank} then went on with zeros in place of its "
+                    f"{ins.kind} contribution, so values computed since are not reliable: restart the session)")
+            value = torch.zeros(shapes[index], dtype=ins.dtype, device=self.device)
+        if self.native and ins.dtype in _NATIVE_DTYPES:
+            result = _NATIVE[ins.kind](ins, group, index, shapes, value)
+        else:
+            result = compute.one(_all_gather_padded(group, index, shapes, value, self.device), index)
+        return result if failure is None else failure
+
+    def _with_headers(self, group, members, index, value, compute):
         failed = type(value) is WorkerFailure
         header = torch.zeros(3 + MAX_NDIM, dtype=torch.int64)
         if not failed:
@@ -62,28 +112,109 @@ class DistExchange:
         headers = [torch.empty_like(header) for _ in members]
         dist.all_gather(headers, header, group=group)
         if any(int(h[0]) for h in headers):
-            failure = value if failed else WorkerFailure(
+            return value if failed else WorkerFailure(
                 self.rank, "collective", None, f"a peer in group {members} failed before this collective")
-            return failure
-        dtype = _DTYPES[int(headers[0][1])]
         shapes = [tuple(int(n) for n in h[3:3 + int(h[2])]) for h in headers]
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = [itemsize * _numel(s) for s in shapes]
-        width = max(max(nbytes), 1)
-        mine = torch.zeros(width, dtype=torch.uint8, device=self.device)
-        if nbytes[index]:
-            mine[: nbytes[index]] = value.contiguous().reshape(-1).view(torch.uint8)
-        payloads = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in members]
-        dist.all_gather(payloads, mine, group=group)
-        values = [
-            p[:n].view(dtype).reshape(s) if n else torch.empty(s, dtype=dtype, device=self.device)
-            for p, n, s in zip(payloads, nbytes, shapes)
-        ]
-        return compute(values)[index]
+        return compute(_all_gather_padded(group, index, shapes, value, self.device))[index]
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _all_gather_padded(group, index, shapes, value, device) -> list:
+    """Every member's contribution (of ``shapes``), through one all-gather of padded bytes."""
+    itemsize = value.element_size()
+    nbytes = [itemsize * math.prod(s) for s in shapes]
+    width = max(max(nbytes), 1)
+    mine = torch.empty(width, dtype=torch.uint8, device=device)
+    if nbytes[index]:
+        mine[: nbytes[index]] = value.contiguous().reshape(-1).view(torch.uint8)
+    gathered = torch.empty(width * len(shapes), dtype=torch.uint8, device=device)
+    _all_gather_single(gathered, mine, group=group)
+    return [
+        gathered[i * width:i * width + n].view(value.dtype).reshape(s) if n else value.new_empty(s)
+        for i, (n, s) in enumerate(zip(nbytes, shapes))
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# native collectives: each returns this member's result as a tensor of its own
+# ---------------------------------------------------------------------------------------------
+def _reduce(ins, tensor, group, collective, *args) -> None:
+    op = ins.reduce_op
+    if op == "avg" and tensor.dtype.is_floating_point and tensor.is_cuda:  # NCCL averages itself
+        collective(*args, op=dist.ReduceOp.AVG, group=group)
+        return
+    collective(*args, op=_OPS["sum" if op == "avg" else op], group=group)
+    if op == "avg":
+        tensor.div_(dist.get_world_size(group))
+
+
+def _native_all_reduce(ins, group, index, shapes, value):
+    out = value.clone(memory_format=torch.contiguous_format)
+    _reduce(ins, out, group, dist.all_reduce, out)
+    return out
+
+
+def _native_all_gather(ins, group, index, shapes, value):
+    k, dim = len(shapes), ins.dim
+    lengths = [s[dim] for s in shapes]
+    rows = max(lengths)
+    x = value.movedim(dim, 0)
+    if lengths[index] == rows and x.is_contiguous():
+        mine = x
+    else:
+        mine = x.new_zeros((rows,) + tuple(x.shape[1:]))
+        mine[: lengths[index]] = x
+    out = mine.new_empty((k * rows,) + tuple(mine.shape[1:]))
+    _all_gather_single(out, mine, group=group)
+    if any(n != rows for n in lengths):
+        out = torch.cat([out[i * rows:i * rows + n] for i, n in enumerate(lengths)])
+    return out.movedim(0, dim).contiguous() if dim else out
+
+
+def _native_reduce_scatter(ins, group, index, shapes, value):
+    k, dim = len(shapes), ins.dim
+    n = value.shape[dim]
+    rows = chunk_extent(n, k, 0).length
+    x = value.movedim(dim, 0)
+    if rows * k == n and x.is_contiguous():
+        full = x
+    else:
+        full = x.new_zeros((rows * k,) + tuple(x.shape[1:]))
+        full[:n] = x
+    out = full.new_empty((rows,) + tuple(full.shape[1:]))
+    _reduce(ins, out, group, _reduce_scatter_single, out, full)
+    out = out[: chunk_extent(n, k, index).length]
+    return out.movedim(0, dim).contiguous() if dim else out.contiguous()
+
+
+def _native_all_to_all(ins, group, index, shapes, value):
+    # member j holds shard j along ``dim`` (lengths from shapes) and all of ``dim2``; member i
+    # gets chunk i along dim2 of every shard, joined along dim
+    k, dim, dim2 = len(shapes), ins.dim, ins.dim2
+    m = value.shape[dim2]
+    extents = [chunk_extent(m, k, i) for i in range(k)]
+    if m % k == 0 and all(s == shapes[0] for s in shapes):
+        # even: one copy into [k, piece] order, one exchange, one copy joining the pieces
+        send = value.unflatten(dim2, (k, m // k)).movedim(dim2, 0).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=group)
+        return recv.movedim(0, dim).flatten(dim, dim + 1)
+    pieces = [value.narrow(dim2, e.offset, e.length).contiguous().reshape(-1) for e in extents]
+    send = torch.cat(pieces) if pieces else value.new_empty(0)
+    recv_shapes = []
+    for j in range(k):
+        s = list(shapes[j])
+        s[dim2] = extents[index].length
+        recv_shapes.append(tuple(s))
+    recv_sizes = [math.prod(s) for s in recv_shapes]
+    recv = value.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(recv, send, recv_sizes, [p.numel() for p in pieces], group=group)
+    parts = recv.split(recv_sizes)
+    return torch.cat([p.view(s) for p, s in zip(parts, recv_shapes)], dim=dim)
+
+
+_NATIVE = {
+    "all_reduce": _native_all_reduce,
+    "all_gather": _native_all_gather,
+    "reduce_scatter": _native_reduce_scatter,
+    "all_to_all": _native_all_to_all,
+}

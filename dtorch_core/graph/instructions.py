@@ -73,6 +73,10 @@ class Collective:
     dim: int = 0  # tensor dim for gather/scatter/chunk kinds
     reduce_op: str = "sum"
     dim2: int = 0  # destination tensor dim for all_to_all
+    # for runners whose communicators exchange no headers (see comm/dist.py): the local shape of
+    # the source on every rank of the mesh, in the mesh's rank order, and its dtype
+    shapes: tuple = ()
+    dtype: Any = None
 
 
 @attrs.frozen
@@ -88,6 +92,8 @@ class MergedAllReduce:
     reduce_op: str
     srcs: tuple
     dsts: tuple
+    shapes: tuple = ()  # per rank of the mesh, the local shape of every src (see Collective)
+    dtypes: tuple = ()  # per src
 
 
 COLLECTIVE_KINDS = ("alias", "all_gather", "all_reduce", "reduce_scatter", "local_chunk", "to_partial", "all_to_all")
@@ -110,11 +116,13 @@ class Delete:
 
 @attrs.frozen
 class Fetch:
-    """Reply with the local tensor ``tid`` from each rank in ``ranks``."""
+    """Reply with the local tensor ``tid`` from each rank in ``ranks``; with ``everyone`` the
+    other ranks reply too, with nothing or their standing failure (see comm/dist.py)."""
 
     tid: int
     request_id: int
     ranks: tuple
+    everyone: bool = False
 
 
 @attrs.frozen

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import attrs
 
+from ..comm.hints import merge_hints
 from ..errors import CaptureError
 from .instructions import VIRTUAL_BASE, Call, Collective, Delete, MergedAllReduce, Put, program_seed
 
@@ -333,8 +334,9 @@ def _merge_all_reduces(body, pure_plans) -> list:
         for group in placed.get(i, ()):
             members = [body[g] for g in group]
             first = members[0]
+            shapes, dtypes = merge_hints([m.shapes for m in members], [m.dtype for m in members])
             out.append(MergedAllReduce(first.mesh_id, first.mesh_dim, first.reduce_op,
-                                       tuple(m.src for m in members), tuple(m.dst for m in members)))
+                                       tuple(m.src for m in members), tuple(m.dst for m in members), shapes, dtypes))
         if i < len(body) and i not in grouped:
             out.append(body[i])
     return out

@@ -79,7 +79,7 @@ class WireError(DTorchError):
 
 
 MAGIC = b"DW"
-VERSION = 2  # 2: DefineProgram.fusable
+VERSION = 3  # 2: DefineProgram.fusable; 3: Collective/MergedAllReduce shapes and dtypes
 KIND_VALUE = 0  # any supported value (control messages)
 KIND_BATCH = 1  # a list of instructions
 KIND_REPLY = 2  # a Reply

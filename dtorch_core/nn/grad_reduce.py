@@ -14,6 +14,7 @@ import attrs
 import structlog
 import torch.nn as nn
 
+from ..comm.hints import merged_hints
 from ..graph.instructions import MergedAllReduce
 from ..mesh import DeviceMesh
 from ..placement import Partial, Replicate
@@ -56,7 +57,8 @@ class GradientBucket:
                 dsts.append(tid)
                 p.grad = DTensor._make(g._spec.with_placements(tuple(placements)), g._view, tid, session)
             srcs = tuple(g._tid for g in partial)
-            session.emit(MergedAllReduce(session.mesh_id(mesh), self.root_dim, op, srcs, tuple(dsts)))
+            shapes, dtypes = merged_hints(session, [g._spec for g in partial])
+            session.emit(MergedAllReduce(session.mesh_id(mesh), self.root_dim, op, srcs, tuple(dsts), shapes, dtypes))
             del partial
 
 

@@ -61,6 +61,7 @@ class ProcessRunner(Runner):
     """Spawns ``world_size`` worker processes and talks to them over local channels."""
 
     name = "process"
+    collective_hints = True  # DistExchange moves payloads without headers
     flush_policy = FlushPolicy(batch_size=256, interval=0.002, when_idle=False)
 
     def __init__(self, world_size: int, device_type: str = "cpu", timeout: float = 300.0,

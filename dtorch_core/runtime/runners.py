@@ -28,6 +28,7 @@ class Runner:
     """
 
     name = "?"
+    collective_hints = False  # whether Collectives must carry every rank's shapes (comm/hints.py)
 
     def __init__(self, world_size: int, device_type: str = "cpu"):
         self.world_size = world_size

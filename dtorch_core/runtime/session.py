@@ -62,6 +62,7 @@ class Session:
         self.plans: dict = {}
         self.plan_names: dict = {}  # plan id -> DefinePlan, for messages about captured steps
         self.pure_plans: set = set()  # plan ids whose calls write only their fresh outputs
+        self.collective_hints = getattr(runner, "collective_hints", False)
         self.view_writes = 0  # in-place writes through views so far (they invalidate moved copies)
         self.fallback_counts: collections.Counter = collections.Counter()
         self._warned: set = set()
@@ -217,27 +218,21 @@ class Session:
     def fetch(self, tid: int, ranks) -> dict:
         """Local tensors of ``tid`` on ``ranks``; raises WorkerError if any of them failed."""
         ranks = tuple(ranks)
-        replies = self.request(lambda rid: Fetch(tid, rid, ranks), len(ranks))
-        out = {}
-        for reply in sorted(replies, key=lambda r: r.rank):
-            if reply.error is not None:
-                f = reply.error
-                where = f" issued at {format_source(f.source)}" if f.source else ""
-                raise WorkerError(
-                    f"{f.op} failed on rank {f.rank}{where}: {f.message}",
-                    rank=f.rank,
-                    op=f.op,
-                    source=format_source(f.source),
-                )
-            out[reply.rank] = reply.value
-        return out
+        # where a failure on one rank can leave its peers with wrong values (collectives without
+        # headers, comm/dist.py) every rank answers, so that failure is never missed
+        everyone = self.collective_hints
+        count = self.world_size if everyone else len(ranks)
+        replies = self.request(lambda rid: Fetch(tid, rid, ranks, everyone), count)
+        _raise_first_error(replies)
+        return {r.rank: r.value for r in sorted(replies, key=lambda r: r.rank) if r.rank in ranks}
 
     def synchronize(self) -> None:
         """Wait until every worker has run everything issued so far."""
-        self.request(lambda rid: Stats(rid), self.world_size)
+        self.memory_stats()
 
     def memory_stats(self) -> list[dict]:
         replies = self.request(lambda rid: Stats(rid), self.world_size)
+        _raise_first_error(replies)
         return [r.value for r in sorted(replies, key=lambda r: r.rank)]
 
     # -- fallback bookkeeping -------------------------------------------------------------
@@ -275,3 +270,11 @@ def format_source(source) -> str | None:
 def timeout_from_env(default: float = 300.0) -> float:
     return float(os.environ.get("DTORCH_TIMEOUT", default))
 
+
+def _raise_first_error(replies) -> None:
+    for reply in sorted(replies, key=lambda r: r.rank):
+        if reply.error is not None:
+            f = reply.error
+            where = f" issued at {format_source(f.source)}" if f.source else ""
+            raise WorkerError(f"{f.op} failed on rank {f.rank}{where}: {f.message}", rank=f.rank, op=f.op,
+                              source=format_source(f.source))

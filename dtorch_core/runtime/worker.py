@@ -9,12 +9,13 @@ reported when the controller reads an affected tensor.
 from __future__ import annotations
 
 import functools
+import math
 
 import attrs
 import structlog
 import torch
 
-from ..comm.collectives import combine_all, local_step
+from ..comm.collectives import combine_all, combine_one, local_step
 from ..graph.instructions import (
     COMMUNICATING_KINDS,
     Call,
@@ -121,16 +122,34 @@ def _has_slot(x) -> bool:
     return False
 
 
-def _compute_collective(ins: Collective, rank: int, values: list) -> list:
-    """All members' results; a failed contribution fails the step for everyone."""
-    for v in values:
-        if type(v) is WorkerFailure:
-            return [v] * len(values)
-    try:
-        return combine_all(ins.kind, values, ins.dim, ins.reduce_op, ins.dim2)
-    except Exception as exc:
-        failure = WorkerFailure(rank, f"collective {ins.kind}", None, f"{type(exc).__name__}: {exc}")
-        return [failure] * len(values)
+@attrs.frozen
+class CollectiveStep:
+    """Every member's results of ``ins`` from all contributions (a failed one fails them all).
+
+    The instruction travels with it: communicators between processes run it natively instead
+    (comm/dist.py)."""
+
+    ins: Collective
+    rank: int
+
+    def __call__(self, values: list) -> list:
+        for v in values:
+            if type(v) is WorkerFailure:
+                return [v] * len(values)
+        ins = self.ins
+        try:
+            return combine_all(ins.kind, values, ins.dim, ins.reduce_op, ins.dim2)
+        except Exception as exc:
+            failure = WorkerFailure(self.rank, f"collective {ins.kind}", None, f"{type(exc).__name__}: {exc}")
+            return [failure] * len(values)
+
+    def one(self, values: list, index: int):
+        """Member ``index``'s result alone (communicators where each member computes its own)."""
+        ins = self.ins
+        try:
+            return combine_one(ins.kind, values, ins.dim, ins.reduce_op, ins.dim2, index)
+        except Exception as exc:
+            return WorkerFailure(self.rank, f"collective {ins.kind}", None, f"{type(exc).__name__}: {exc}")
 
 
 class Worker:
@@ -183,7 +202,13 @@ class Worker:
             if shard is not None:
                 self.store[ins.tid] = self.streams.to_device(shard)
         elif t is Fetch:
-            if self.rank in ins.ranks:
+            poisoned = getattr(self.exchange, "poisoned", None)
+            if poisoned is not None and (ins.everyone or self.rank in ins.ranks):
+                self.reply(Reply(ins.request_id, self.rank, error=poisoned))
+            elif self.rank not in ins.ranks:
+                if ins.everyone:
+                    self.reply(Reply(ins.request_id, self.rank))
+            else:
                 value = self.store.get(ins.tid)
                 if value is None:
                     failure = WorkerFailure(self.rank, "fetch", None, f"tensor {ins.tid} is not on this worker")
@@ -217,7 +242,8 @@ class Worker:
             self.graphs.pop(ins.program_id, None)
         elif t is Stats:
             self.streams.synchronize()  # a sync point: the device has finished what was issued
-            self.reply(Reply(ins.request_id, self.rank, value=self.memory_stats()))
+            self.reply(Reply(ins.request_id, self.rank, value=self.memory_stats(),
+                             error=getattr(self.exchange, "poisoned", None)))
         else:
             raise TypeError(f"worker got an unknown instruction {ins!r}")
 
@@ -410,7 +436,7 @@ class Worker:
         seq = self.seq.get(group_key, 0)
         self.seq[group_key] = seq + 1
         key = group_key + (seq,)
-        compute = functools.partial(_compute_collective, ins, self.rank)
+        compute = CollectiveStep(ins, self.rank)
         result = self.streams.communicate(functools.partial(self.exchange.exchange, key, index, size, x, compute), x)
         if result is PENDING:
             self.pending.append((key, index, compute, done))
@@ -424,15 +450,18 @@ class Worker:
         gi, index, size = view.groups[ins.mesh_dim]
         values = [self._lookup(tid) for tid in ins.srcs]
         failure = next((v for v in values if type(v) is WorkerFailure), None)
-        # one exchange per dtype, in first-appearance order (the same on every rank)
+        # one exchange per dtype, in first-appearance order (the same on every rank, also on one
+        # whose sources failed where the instruction names the dtypes)
+        dtypes = ins.dtypes or [None if failure else v.dtype for v in values]
         by_dtype: dict = {}
-        for i, v in enumerate(values):
-            by_dtype.setdefault(None if failure else v.dtype, []).append(i)
-        step = Collective("all_reduce", ins.mesh_id, ins.mesh_dim, -1, -1, 0, ins.reduce_op)
-        for members in by_dtype.values():
+        for i, dtype in enumerate(dtypes):
+            by_dtype.setdefault(dtype, []).append(i)
+        for dtype, members in by_dtype.items():
             if self.streams.outstanding and failure is None:
                 self.streams.join_reads(tuple(values[i] for i in members))
             packed = failure or torch.cat([values[i].reshape(-1) for i in members])
+            shapes = tuple((sum(math.prod(per_rank[i]) for i in members),) for per_rank in ins.shapes)
+            step = Collective("all_reduce", ins.mesh_id, ins.mesh_dim, -1, -1, 0, ins.reduce_op, 0, shapes, dtype)
             unpack = functools.partial(self._unpack, [ins.dsts[i] for i in members], [values[i] for i in members])
             if size == 1:  # a group of one: the (new) packed tensor is the result
                 unpack(packed)
