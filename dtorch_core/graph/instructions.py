@@ -127,9 +127,12 @@ class Fetch:
 
 @attrs.frozen
 class Stats:
-    """Reply with the worker's memory statistics."""
+    """Reply once everything issued before has run: with the worker's memory statistics, or
+    with nothing (``memory=False``, ``dt.synchronize()``: reading the device's counters costs more
+    than the round trip)."""
 
     request_id: int
+    memory: bool = True
 
 
 @attrs.frozen

@@ -9,8 +9,8 @@ keeps its memory, so the graph updates it where it lives; tensors the program ma
 (``.grad``) live in the graph's memory pool and are rewritten in place by every replay.
 
 Programs that a graph cannot repeat run without one: random ops (their seeds change per replay),
-constants sent from the controller (``Put``), and collectives among several devices (the
-communicators exchange shape headers on the host). A capture that fails (an op that synchronises with the host, say) is
+constants sent from the controller (``Put``), and collectives among several devices (NCCL can be
+captured, but capturing every rank's graph in step is not done or tested yet). A capture that fails (an op that synchronises with the host, say) is
 logged once and the program runs without a graph from then on.
 """
 

@@ -228,7 +228,7 @@ class Session:
 
     def synchronize(self) -> None:
         """Wait until every worker has run everything issued so far."""
-        self.memory_stats()
+        _raise_first_error(self.request(lambda rid: Stats(rid, memory=False), self.world_size))
 
     def memory_stats(self) -> list[dict]:
         replies = self.request(lambda rid: Stats(rid), self.world_size)

@@ -242,7 +242,7 @@ class Worker:
             self.graphs.pop(ins.program_id, None)
         elif t is Stats:
             self.streams.synchronize()  # a sync point: the device has finished what was issued
-            self.reply(Reply(ins.request_id, self.rank, value=self.memory_stats(),
+            self.reply(Reply(ins.request_id, self.rank, value=self.memory_stats() if ins.memory else None,
                              error=getattr(self.exchange, "poisoned", None)))
         else:
             raise TypeError(f"worker got an unknown instruction {ins!r}")

@@ -5,7 +5,7 @@
    step). dtorch runs it on one worker process (``runner="process"``, world size 1, CUDA); the
    anchor is the same block in plain torch in this process. Target: throughput ratio >= 0.97.
 2. ``chain``: 1,000 small dependent ops (``x * 1.0001`` and ``x + 1e-4`` alternating, 1,024
-   floats): per-op cost of dtorch eager (issue plus finish, ``dt.synchronize()``), of dtorch
+   floats), called 10 times back to back then synchronised: per-op cost of dtorch eager, of dtorch
    replay (``dt.compile``; "n/a" where this dtorch has no ``dt.compile``), of plain torch eager
    and of plain torch CUDA-graph replay. Target: dtorch replay within 1.5x of torch graph replay.
 
@@ -137,14 +137,16 @@ def chain(x, n):
     return x
 
 
-def _per_op(fn, n_ops, rounds, sync):
+def _per_op(fn, n_ops, rounds, sync, calls=1):
+    """Least per-op time over ``rounds`` of ``calls`` back-to-back calls and one sync."""
     out = []
     for _ in range(rounds):
         sync()
         t0 = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         sync()
-        out.append((time.perf_counter() - t0) / n_ops)
+        out.append((time.perf_counter() - t0) / (n_ops * calls))
     return min(out)
 
 
@@ -153,7 +155,8 @@ def run_chain(args, mesh) -> dict:
     x = torch.ones(1024, device="cuda")
     res = {}
     chain(x, n)
-    res["torch eager"] = _per_op(lambda: chain(x, n), n, args.rounds * 2, torch.cuda.synchronize)
+    c = args.calls
+    res["torch eager"] = _per_op(lambda: chain(x, n), n, args.rounds * 2, torch.cuda.synchronize, c)
 
     static = torch.ones(1024, device="cuda")
     side = torch.cuda.Stream()
@@ -166,7 +169,7 @@ def run_chain(args, mesh) -> dict:
     with torch.cuda.graph(graph):
         chain(static, n)
     graph.replay()
-    res["torch CUDA-graph replay"] = _per_op(graph.replay, n, args.rounds * 2, torch.cuda.synchronize)
+    res["torch CUDA-graph replay"] = _per_op(graph.replay, n, args.rounds * 2, torch.cuda.synchronize, c)
 
     xd = dt.ones(1024, device_mesh=mesh, placements=[R])
     chain(xd, n)
@@ -179,7 +182,7 @@ def run_chain(args, mesh) -> dict:
         issue.append((time.perf_counter() - t0) / n)
         return y
 
-    res["dtorch eager"] = _per_op(dtorch_eager, n, args.rounds * 2, dt.synchronize)
+    res["dtorch eager"] = _per_op(dtorch_eager, n, args.rounds * 2, dt.synchronize, c)
     res["dtorch eager, controller issue only"] = min(issue)
 
     if hasattr(dt, "compile"):
@@ -188,7 +191,9 @@ def run_chain(args, mesh) -> dict:
             for _ in range(4):  # warm-up, recordings, first replay
                 step(xd)
             dt.synchronize()
-            res["dtorch replay"] = _per_op(lambda: step(xd), n, args.rounds * 2, dt.synchronize)
+            res["dtorch replay"] = _per_op(lambda: step(xd), n, args.rounds * 2, dt.synchronize, c)
+            # one call and its sync alone: the controller-worker round trip shows here
+            res["dtorch replay, 1 call + sync"] = _per_op(lambda: step(xd), n, args.rounds * 2, dt.synchronize)
         except Exception as exc:  # reported, not hidden: the row says why it is missing
             res["dtorch replay"] = f"failed: {type(exc).__name__}: {exc}"
     else:
@@ -206,6 +211,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chain", type=int, default=1000)
+    ap.add_argument("--calls", type=int, default=10, help="chain calls per timed round (then one sync)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -234,7 +240,8 @@ def main(argv=None) -> int:
     if "chain" in out:
         c = out["chain"]
         base, graph = c["torch eager"], c["torch CUDA-graph replay"]
-        print(f"\nchain of {args.chain} small ops (1024 floats), per op (best of {args.rounds * 2} rounds)")
+        print(f"\nchain of {args.chain} small ops (1024 floats), per op (best of {args.rounds * 2} rounds of "
+              f"{args.calls} calls and one sync)")
         for k, v in c.items():
             if isinstance(v, float):
                 print(f"  {k:38s} {v * 1e6:8.2f} us   {v / base:6.2f}x torch eager   {v / graph:6.2f}x torch graph")

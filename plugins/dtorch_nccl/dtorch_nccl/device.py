@@ -28,10 +28,11 @@ def memory_stats(device: torch.device) -> dict:
     """The caching allocator's counters for ``device``: what tensors hold now and at their peak,
     and what the allocator has reserved from the driver. One physical device's numbers: workers
     that share a GPU (thread runner) report the same counters."""
+    stats = torch.cuda.memory_stats(device)  # one call: each of the memory_* helpers makes one
     return {
         "device": str(device),
-        "device_allocated_bytes": torch.cuda.memory_allocated(device),
-        "device_reserved_bytes": torch.cuda.memory_reserved(device),
-        "device_peak_allocated_bytes": torch.cuda.max_memory_allocated(device),
-        "device_peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+        "device_allocated_bytes": stats.get("allocated_bytes.all.current", 0),
+        "device_reserved_bytes": stats.get("reserved_bytes.all.current", 0),
+        "device_peak_allocated_bytes": stats.get("allocated_bytes.all.peak", 0),
+        "device_peak_reserved_bytes": stats.get("reserved_bytes.all.peak", 0),
     }

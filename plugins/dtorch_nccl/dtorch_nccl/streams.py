@@ -40,6 +40,11 @@ class CudaStreams(WorkerStreams):
         self.outstanding = False
         self._in_flight: set[int] = set()  # storages communication uses that compute has not waited for
         self._comm_done: torch.cuda.Event | None = None
+        # one event each for the fork and the join, recorded again at every collective (a wait
+        # takes the latest record): making events per collective cost more than the collective
+        # of a small tensor
+        self._fork = torch.cuda.Event()
+        self._done = torch.cuda.Event()
 
     def claim_process(self) -> None:
         torch.cuda.set_device(self.device)
@@ -49,10 +54,17 @@ class CudaStreams(WorkerStreams):
             return fn()
 
     def communicate(self, fn, value):
-        comm = self.comm
-        comm.wait_stream(self.compute)
-        with torch.cuda.stream(comm):
+        comm, compute = self.comm, self.compute
+        self._fork.record(compute)
+        comm.wait_event(self._fork)
+        # switching by hand skips the stream context's checks, a large part of a small
+        # collective's cost
+        current = torch.cuda.current_stream(self.device)
+        torch.cuda.set_stream(comm)
+        try:
             result = fn()
+        finally:
+            torch.cuda.set_stream(current)
         in_flight = self._in_flight
         if isinstance(value, torch.Tensor) and value.is_cuda:
             value.record_stream(comm)
@@ -61,9 +73,8 @@ class CudaStreams(WorkerStreams):
             result.record_stream(self.compute)
             in_flight.add(result.untyped_storage().data_ptr())
         in_flight.discard(0)  # empty tensors have no memory to guard
-        done = torch.cuda.Event()
-        done.record(comm)
-        self._comm_done = done
+        self._done.record(comm)
+        self._comm_done = self._done
         self.outstanding = True
         return result
 
