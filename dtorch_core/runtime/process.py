@@ -62,7 +62,7 @@ class ProcessRunner(Runner):
 
     name = "process"
     collective_hints = True  # DistExchange moves payloads without headers
-    flush_policy = FlushPolicy(batch_size=256, interval=0.002, when_idle=False)
+    flush_policy = FlushPolicy(batch_size=256, interval=0.002, when_idle=False, first_batch=4)
 
     def __init__(self, world_size: int, device_type: str = "cpu", timeout: float = 300.0,
                  startup_timeout: float | None = None, communicator: str | None = None,

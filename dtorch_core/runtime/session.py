@@ -36,6 +36,9 @@ class FlushPolicy:
     batch_size: int = 256  # flush as soon as this many instructions wait
     interval: float = 0.002  # timer period (s); 0: only size and sync points flush
     when_idle: bool = False  # timer flushes only after a tick with no new instruction
+    # after a sync point the workers are idle: the first batch leaves at this size and each next
+    # one at 8x the last, up to batch_size (0: batch_size from the start)
+    first_batch: int = 0
 
 
 class Session:
@@ -56,6 +59,8 @@ class Session:
         # trade the GIL op by op; other runners flush small batches on a short timer.
         policy = getattr(runner, "flush_policy", FlushPolicy())
         self.batch_size = policy.batch_size
+        self.first_batch = policy.first_batch or policy.batch_size
+        self._flush_at = self.first_batch
         self.flush_when_idle = policy.when_idle
         flush_interval = policy.interval
         self.timeout = timeout
@@ -143,7 +148,7 @@ class Session:
     # takes no lock and a concurrent flush (the timer thread) never loses an entry.
     def emit(self, ins) -> None:
         self._pending.append(ins)
-        if len(self._pending) >= self.batch_size:
+        if len(self._pending) >= self._flush_at:
             self.flush()
 
     def release(self, tid: int) -> None:
@@ -179,6 +184,7 @@ class Session:
             batch.append(Delete(tuple(freed)))
         if batch:
             self.runner.submit(batch)
+            self._flush_at = min(self._flush_at * 8, self.batch_size)
 
     def _flush_loop(self, interval: float) -> None:
         seen = -1
@@ -213,7 +219,9 @@ class Session:
             self._flush_locked()  # everything issued before the read, frees included, goes first
             self._pending.append(make(rid))
             self._flush_locked()
-        return self.runner.wait_replies(rid, count, self.timeout)
+        replies = self.runner.wait_replies(rid, count, self.timeout)
+        self._flush_at = self.first_batch
+        return replies
 
     def fetch(self, tid: int, ranks) -> dict:
         """Local tensors of ``tid`` on ``ranks``; raises WorkerError if any of them failed."""
