@@ -36,7 +36,11 @@ log = structlog.get_logger(__name__)
 aten = torch.ops.aten
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_SYNC_OPS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default}
+# ops that read values on the host in torch too; they run on the controller with the full values
+# (``_linalg_check_errors`` raises torch's LinAlgError: run on the workers its error had nowhere
+# to go, as the op has no output)
+_SYNC_OPS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default,
+             aten._linalg_check_errors.default}
 
 
 # ---------------------------------------------------------------------------------------------

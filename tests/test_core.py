@@ -171,6 +171,20 @@ def test_worker_failure_names_rank_op_and_source(mesh1d):
     assert_close(x * 2, x.full_tensor() * 2)
 
 
+@pytest.mark.filterwarnings("ignore:dtorch.*no sharding rule")
+def test_linalg_errors_raise_like_torch(mesh1d):
+    a = torch.eye(3).repeat(5, 1, 1) * 2
+    a[3] = 0  # singular: on one rank only when the batch is sharded (5 over 4 ranks: uneven)
+    x = dt.distribute_tensor(a, mesh1d, [dt.Shard(0)])
+    with pytest.raises(torch.linalg.LinAlgError) as expected:
+        torch.linalg.inv(a)
+    with pytest.raises(torch.linalg.LinAlgError) as got:
+        torch.linalg.inv(x)
+    assert str(got.value) == str(expected.value)
+    a[3] = torch.eye(3)
+    assert_close(torch.linalg.inv(dt.distribute_tensor(a, mesh1d, [dt.Shard(0)])), torch.linalg.inv(a))
+
+
 def _line_of(text: str) -> int:
     import inspect
 
