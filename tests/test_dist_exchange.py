@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from dtorch_core.comm.collectives import combine_one
 from dtorch_core.comm.dist import DistExchange
 from dtorch_core.comm.hints import local_shapes
-from dtorch_core.graph.instructions import Collective, Fetch, Reply, Stats, WorkerFailure
+from dtorch_core.graph.instructions import Collective, DefineMesh, Fetch, MergedAllReduce, Reply, Stats, WorkerFailure
 from dtorch_core.placement import Partial, Replicate, Shard
 from dtorch_core.runtime.process import free_port
 from dtorch_core.runtime.worker import CollectiveStep, Worker
@@ -94,12 +94,40 @@ def _run_cases(rank: int, native: bool) -> None:
         assert ex.poisoned is None
 
 
+def _run_merged(rank: int, native: bool) -> None:
+    """A MergedAllReduce of float32 and float64 gradients where one rank's float64 source failed:
+    every rank makes one exchange per dtype (the failed one too, from the instruction's dtypes),
+    so nobody waits forever; the float32 sums are whole everywhere, the failed rank gets its
+    failure for the float64 one, its peers a sum with zeros in its place."""
+    worker = Worker(rank, torch.device("cpu"), kernels=None, exchange=DistExchange(rank, torch.device("cpu"), native=native),
+                    reply=lambda r: None)
+    worker.execute(DefineMesh(7, (WORLD,), tuple(range(WORLD))))
+    shapes_of = [(3, 2), (5,), (4,)]
+    dtypes = (torch.float32, torch.float64, torch.float32)
+    values = {r: [_contribution(10 * r + i, s, d) for i, (s, d) in enumerate(zip(shapes_of, dtypes))] for r in range(WORLD)}
+    for i, v in enumerate(values[rank]):
+        worker.store[100 + i] = v
+    failure = WorkerFailure(1, "aten.mul.default", None, "boom")
+    if rank == 1:
+        worker.store[101] = failure
+    shapes = tuple(tuple(shapes_of) for _ in range(WORLD))
+    worker.execute(MergedAllReduce(7, 0, "sum", (100, 101, 102), (200, 201, 202), shapes, dtypes))
+    for i in range(3):
+        got = worker.store[200 + i]
+        if rank == 1 and dtypes[i] == torch.float64:
+            assert got is failure, (i, got)
+            continue
+        expected = sum(values[r][i] for r in range(WORLD) if r != 1 or dtypes[i] != torch.float64)
+        torch.testing.assert_close(got, expected, msg=f"source {i}")
+
+
 def _entry(rank: int, port: int, native: bool, errors) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
         try:
             _run_cases(rank, native)
+            _run_merged(rank, native)
         finally:
             dist.destroy_process_group()
     except BaseException:

@@ -34,8 +34,10 @@ def emit_steps(session, mesh_id: int, tid: int, steps, spec) -> list:
     for step in steps:
         new = session.new_tid()
         shapes, dtype = (), None
-        if session.collective_hints and spec is not None and step.kind in COMMUNICATING:
-            shapes, dtype = local_shapes(spec.shape, placements, spec.mesh.shape), spec.dtype
+        if spec is not None and step.kind in COMMUNICATING:
+            dtype = spec.dtype
+            if session.collective_hints:
+                shapes = local_shapes(spec.shape, placements, spec.mesh.shape)
         session.emit(Collective(step.kind, mesh_id, step.mesh_dim, tid, new, step.dim, step.reduce_op, step.dim2,
                                 shapes, dtype))
         made.append(new)
@@ -46,14 +48,17 @@ def emit_steps(session, mesh_id: int, tid: int, steps, spec) -> list:
 
 def merged_hints(session, specs) -> tuple[tuple, tuple]:
     """``(shapes, dtypes)`` of a MergedAllReduce of tensors of ``specs``: per rank the local shape
-    of every source, and every source's dtype; empty where the runner needs none."""
+    of every source (empty where the runner needs none), and every source's dtype (always: a
+    rank whose sources failed must still group them by dtype as its peers do)."""
+    dtypes = [s.dtype for s in specs]
     if not session.collective_hints:
-        return (), ()
-    return merge_hints([local_shapes(s.shape, s.placements, s.mesh.shape) for s in specs], [s.dtype for s in specs])
+        return (), tuple(dtypes)
+    return merge_hints([local_shapes(s.shape, s.placements, s.mesh.shape) for s in specs], dtypes)
 
 
 def merge_hints(per_source_shapes, dtypes) -> tuple[tuple, tuple]:
     """Per-source hints (each per rank) turned per rank (each per source)."""
+    dtypes = tuple(dtypes) if all(d is not None for d in dtypes) else ()
     if not per_source_shapes or any(not s for s in per_source_shapes):
-        return (), ()
-    return tuple(zip(*per_source_shapes)), tuple(dtypes)
+        return (), dtypes
+    return tuple(zip(*per_source_shapes)), dtypes

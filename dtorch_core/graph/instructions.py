@@ -73,8 +73,8 @@ class Collective:
     dim: int = 0  # tensor dim for gather/scatter/chunk kinds
     reduce_op: str = "sum"
     dim2: int = 0  # destination tensor dim for all_to_all
-    # for runners whose communicators exchange no headers (see comm/dist.py): the local shape of
-    # the source on every rank of the mesh, in the mesh's rank order, and its dtype
+    # the source's dtype, and for runners whose communicators exchange no headers (see
+    # comm/dist.py) its local shape on every rank of the mesh, in the mesh's rank order
     shapes: tuple = ()
     dtype: Any = None
 

@@ -449,14 +449,14 @@ class Worker:
             return
         gi, index, size = view.groups[ins.mesh_dim]
         values = [self._lookup(tid) for tid in ins.srcs]
-        failure = next((v for v in values if type(v) is WorkerFailure), None)
-        # one exchange per dtype, in first-appearance order (the same on every rank, also on one
-        # whose sources failed where the instruction names the dtypes)
-        dtypes = ins.dtypes or [None if failure else v.dtype for v in values]
+        # one exchange per dtype, in first-appearance order: the same on every rank, also on one
+        # whose sources failed (the instruction names the dtypes)
+        dtypes = ins.dtypes or [getattr(v, "dtype", None) for v in values]
         by_dtype: dict = {}
         for i, dtype in enumerate(dtypes):
             by_dtype.setdefault(dtype, []).append(i)
         for dtype, members in by_dtype.items():
+            failure = next((values[i] for i in members if type(values[i]) is WorkerFailure), None)
             if self.streams.outstanding and failure is None:
                 self.streams.join_reads(tuple(values[i] for i in members))
             packed = failure or torch.cat([values[i].reshape(-1) for i in members])
