@@ -137,3 +137,29 @@ def test_collectives_in_a_group_of_one_are_local_copies(runner):
             if isinstance(src, (dt.Shard, dt.Partial)) and not isinstance(dst, dt.Partial) and src != dst:
                 y.mul_(2)  # a gather, reduction or all-to-all makes a tensor of its own
                 assert_close(x, t, msg=f"{src} -> {dst} aliased its source")
+
+
+@pytest.mark.parametrize("_runner_name", ["inline", "thread"], indirect=True)
+def test_a_merged_all_reduce_with_a_failed_source_fails_only_its_dtype_group(runner, mesh1d):
+    # one rank's float64 gradient failed: that rank must still make one exchange per dtype, as
+    # its peers do (one exchange for everything would leave them waiting for a second)
+    from dtorch_core.comm.hints import merged_hints
+    from dtorch_core.graph.instructions import MergedAllReduce, WorkerFailure
+    from dtorch_core.tensor import DTensor
+
+    session = dt.api.current_session()
+    values = [torch.randn(5, 3, dtype=d) for d in (torch.float32, torch.float64, torch.float32)]
+    parts = [dt.distribute_tensor(v, mesh1d, [dt.Replicate()]).redistribute(mesh1d, [dt.Partial()]) for v in values]
+    dt.synchronize()
+    session.runner.workers[1].store[parts[1]._tid] = WorkerFailure(1, "aten.mul.default", None, "boom")
+    outs, dsts = [], []
+    for p in parts:
+        dsts.append(session.new_tid())
+        outs.append(DTensor._make(p._spec.with_placements((dt.Replicate(),)), p._view, dsts[-1], session))
+    shapes, dtypes = merged_hints(session, [p._spec for p in parts])
+    session.emit(MergedAllReduce(session.mesh_id(parts[0]._spec.mesh), 0, "sum", tuple(p._tid for p in parts),
+                                 tuple(dsts), shapes, dtypes))
+    assert_close(outs[0], values[0])
+    assert_close(outs[2], values[2])
+    with pytest.raises(dt.WorkerError, match="boom"):
+        outs[1].full_tensor()
