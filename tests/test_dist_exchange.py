@@ -78,8 +78,9 @@ def _run_cases(rank: int, native: bool) -> None:
         got.add_(1)  # a result is a tensor of its own
         assert torch.equal(values[index], _contribution(100 * n + rank, shapes[rank]))
 
-    # a failed contribution: its peers get a value (zeros in its place), it gets its failure back
-    # and stays poisoned
+    # a failed contribution never leaves its peers waiting; the failed member gets its failure back.
+    # All-gather path (CPU): a flag travels with the payloads and the step fails for everyone.
+    # Native path: nothing tells the peers, who go on with zeros; the failed member stays poisoned
     shapes = local_shapes((8, 2), (Shard(0),), (4,))
     ins = Collective("all_gather", 0, 0, 1, 2, 0, "sum", 0, shapes, torch.float32)
     failure = WorkerFailure(2, "aten.mm.default", ("user.py", 7), "boom")
@@ -87,18 +88,26 @@ def _run_cases(rank: int, native: bool) -> None:
     got = ex.exchange((0, 0, 0, 99), rank, WORLD, mine, CollectiveStep(ins, rank))
     if rank == 2:
         assert got is failure
-        assert ex.poisoned is not None and "boom" in ex.poisoned.message and "restart" in ex.poisoned.message
-    else:
+        if native:
+            assert "boom" in ex.poisoned.message and "restart" in ex.poisoned.message
+    elif native:
         expected = torch.cat([torch.full((2, 2), float(r)) if r != 2 else torch.zeros(2, 2) for r in range(WORLD)])
         assert torch.equal(got, expected)
+    else:
+        assert type(got) is WorkerFailure and "a peer in group" in got.message, got
+    if not native or rank != 2:
         assert ex.poisoned is None
+    # and the group keeps working
+    ok = ex.exchange((0, 0, 0, 100), rank, WORLD, torch.full(shapes[rank], 1.0), CollectiveStep(ins, rank))
+    assert torch.equal(ok, torch.ones(8, 2))
 
 
 def _run_merged(rank: int, native: bool) -> None:
     """A MergedAllReduce of float32 and float64 gradients where one rank's float64 source failed:
     every rank makes one exchange per dtype (the failed one too, from the instruction's dtypes),
     so nobody waits forever; the float32 sums are whole everywhere, the failed rank gets its
-    failure for the float64 one, its peers a sum with zeros in its place."""
+    failure for the float64 one, its peers a failure too (all-gather path) or a sum with zeros in
+    its place (native path, where the failed rank is poisoned instead)."""
     worker = Worker(rank, torch.device("cpu"), kernels=None, exchange=DistExchange(rank, torch.device("cpu"), native=native),
                     reply=lambda r: None)
     worker.execute(DefineMesh(7, (WORLD,), tuple(range(WORLD))))
@@ -116,6 +125,9 @@ def _run_merged(rank: int, native: bool) -> None:
         got = worker.store[200 + i]
         if rank == 1 and dtypes[i] == torch.float64:
             assert got is failure, (i, got)
+            continue
+        if not native and dtypes[i] == torch.float64:
+            assert type(got) is WorkerFailure and "a peer in group" in got.message, (i, got)
             continue
         expected = sum(values[r][i] for r in range(WORLD) if r != 1 or dtypes[i] != torch.float64)
         torch.testing.assert_close(got, expected, msg=f"source {i}")

@@ -13,9 +13,11 @@ controller knows them all, so its instructions carry every rank's local shape an
   stream). Reductions then run in the library's order, not group order.
 
 A member whose contribution failed (an earlier kernel failed on it) still takes part, with zeros
-of the expected shape, so its peers never wait for it; it keeps the failure as ``poisoned`` and
-every later Fetch or Stats reply carries it (the controller asks every rank, see
-``Session.fetch``), since its peers went on with zeros in its place. Instructions without shapes
+of the expected shape, so its peers never wait for it. On CPU a flag byte behind each payload
+tells every member, and the step fails for all of them (as on the in-process runners). A native
+collective carries no flag (reading one would wait for the device): the failed member keeps its
+failure as ``poisoned`` and every later Fetch or Stats reply carries it (the controller asks every
+rank, see ``Session.fetch``), since its peers went on with zeros in its place. Instructions without shapes
 (made by an older controller or by hand) take the slow path: a header all-gather (failed flag,
 dtype, shape) on the CPU first, then the padded payloads, which fails the step for every member.
 """
@@ -85,17 +87,27 @@ class DistExchange:
         shapes = [tuple(ins.shapes[where[m]]) for m in members]
         failure = value if type(value) is WorkerFailure else None
         if failure is not None:
-            if self.poisoned is None:
-                self.poisoned = WorkerFailure(
-                    value.rank, value.op, value.source,
-                    f"{value.message} (the peers of rank {self.rank} then went on with zeros in place of its "
-                    f"{ins.kind} contribution, so values computed since are not reliable: restart the session)")
             value = torch.zeros(shapes[index], dtype=ins.dtype, device=self.device)
         if self.native and ins.dtype in _NATIVE_DTYPES:
             result = _NATIVE[ins.kind](ins, group, index, shapes, value)
+            peers_failed = None  # no flags travel with a native collective
         else:
-            result = compute.one(_all_gather_padded(group, index, shapes, value, self.device), index)
-        return result if failure is None else failure
+            values, peers_failed = _all_gather_padded(group, index, shapes, value, self.device, failure is not None)
+            result = None if peers_failed else compute.one(values, index)
+        if failure is not None:
+            if peers_failed is None:
+                self._poison(failure, ins.kind)
+            return failure
+        if peers_failed:
+            return WorkerFailure(self.rank, "collective", None, f"a peer in group {members} failed before this collective")
+        return result
+
+    def _poison(self, failure: WorkerFailure, kind: str) -> None:
+        if self.poisoned is None:
+            self.poisoned = WorkerFailure(
+                failure.rank, failure.op, failure.source,
+                f"{failure.message} (the peers of rank {self.rank} then went on with zeros in place of its {kind} "
+                "contribution, so values computed since are not reliable: restart the session)")
 
     def _with_headers(self, group, members, index, value, compute):
         failed = type(value) is WorkerFailure
@@ -115,23 +127,27 @@ class DistExchange:
             return value if failed else WorkerFailure(
                 self.rank, "collective", None, f"a peer in group {members} failed before this collective")
         shapes = [tuple(int(n) for n in h[3:3 + int(h[2])]) for h in headers]
-        return compute(_all_gather_padded(group, index, shapes, value, self.device))[index]
+        return compute(_all_gather_padded(group, index, shapes, value, self.device, False)[0])[index]
 
 
-def _all_gather_padded(group, index, shapes, value, device) -> list:
-    """Every member's contribution (of ``shapes``), through one all-gather of padded bytes."""
+def _all_gather_padded(group, index, shapes, value, device, failed: bool) -> tuple[list, bool | None]:
+    """Every member's contribution (of ``shapes``), through one all-gather of padded bytes, and
+    whether a member's contribution failed: a flag byte travels behind each payload, read where
+    reading it costs nothing (CPU; None elsewhere)."""
     itemsize = value.element_size()
     nbytes = [itemsize * math.prod(s) for s in shapes]
-    width = max(max(nbytes), 1)
+    width = max(nbytes) + itemsize  # the flag's slot keeps every payload aligned for its dtype
     mine = torch.empty(width, dtype=torch.uint8, device=device)
     if nbytes[index]:
         mine[: nbytes[index]] = value.contiguous().reshape(-1).view(torch.uint8)
+    mine[-1] = int(failed)
     gathered = torch.empty(width * len(shapes), dtype=torch.uint8, device=device)
     _all_gather_single(gathered, mine, group=group)
-    return [
+    values = [
         gathered[i * width:i * width + n].view(value.dtype).reshape(s) if n else value.new_empty(s)
         for i, (n, s) in enumerate(zip(nbytes, shapes))
     ]
+    return values, bool(gathered[width - 1::width].any()) if device.type == "cpu" else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 Between worker processes a collective's members must agree on every contribution's size before
 the payloads move. The controller knows them all (the spec fixes every rank's local shape), so
-runners that ask for it (``Runner.collective_hints``) get each rank's local source shape and the
-dtype in the instruction; see comm/dist.py for how they are used.
+runners that ask for it (``Runner.collective_hints``) get each rank's local source shape in the
+instruction; see comm/dist.py for how they are used. Every runner gets the dtype: a rank whose
+source failed must still group a merged all-reduce's sources by dtype as its peers do.
 """
 
 from __future__ import annotations
