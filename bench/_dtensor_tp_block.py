@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _tp_block  # noqa: E402
-from _torchrun import add_anchor_options, wait_for, write_json  # noqa: E402
+from _torchrun import add_anchor_options, init_rank, wait_for, write_json  # noqa: E402
 
 
 def check_values(block, y) -> dict:
@@ -63,22 +63,8 @@ def main() -> None:
 
     cuda = args.device == "cuda"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("cuda:nccl,cpu:gloo")
-        control = dist.new_group(backend="gloo")
-        device = f"cuda:{local_rank}"
-    else:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo")
-        control = None
-        device = "cpu"
+    device, sync = init_rank(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-        dist.barrier(group=control)
 
     mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("tp",))
     if _tp_block.init_mode(args) == "cpu":

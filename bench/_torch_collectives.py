@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _collectives_common as cc  # noqa: E402
-from _torchrun import wait_for, write_json  # noqa: E402
+from _torchrun import init_rank, wait_for, write_json  # noqa: E402
 
 
 def nccl_version() -> str:
@@ -54,24 +54,10 @@ def main() -> None:
 
     cuda = args.device == "cuda"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("cuda:nccl,cpu:gloo")
-        control = dist.new_group(backend="gloo")
-        device = torch.device("cuda", local_rank)
-    else:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo")
-        control = None
-        device = torch.device("cpu")
+    device, sync = init_rank(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     dtype = cc.DTYPES[args.dtype]
     sync_dir = args.sync_dir if rank == 0 else None
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-        dist.barrier(group=control)
 
     def buffers(op, size):
         rows, cols = cc.shape_for(size, dtype, world)

@@ -27,6 +27,33 @@ import time
 # ---------------------------------------------------------------------------------------------
 # the anchor's side (runs in every torchrun rank)
 # ---------------------------------------------------------------------------------------------
+def init_rank(device_type: str):
+    """Join the torchrun group on ``device_type``: ``(device, sync)``. On CUDA the payloads go
+    through NCCL and ``sync()`` (device finished, then a barrier) through a gloo group on the CPU,
+    so a rank waiting at a barrier holds no GPU work."""
+    import torch
+    import torch.distributed as dist
+
+    if device_type == "cuda":
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("cuda:nccl,cpu:gloo")
+        control = dist.new_group(backend="gloo")
+        device = torch.device("cuda", local_rank)
+    else:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo")
+        control = None
+        device = torch.device("cpu")
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier(group=control)
+
+    return device, sync
+
+
 def add_anchor_options(parser, *, steps: bool = True) -> None:
     """The options every torchrun anchor takes: rounds of steps driven through ``--sync-dir``."""
     parser.add_argument("--warmup", type=int, default=3)
