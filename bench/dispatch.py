@@ -89,7 +89,7 @@ class DtorchSide:
 
         self.dt = dt
         dt.init(world_size=world, runner=runner)
-        from dtorch_core.runtime.session import current_session
+        from dtorch_core.controller.session import current_session
 
         self.session = current_session()
         mesh = dt.init_device_mesh("cpu", (world,))

@@ -35,9 +35,9 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import dtorch_core as dt  # noqa: E402
-from dtorch_core.graph import wire  # noqa: E402
-from dtorch_core.graph.instructions import Call, Put, Reply  # noqa: E402
-from dtorch_core.runtime.session import current_session  # noqa: E402
+from dtorch_core.ir import wire  # noqa: E402
+from dtorch_core.ir.instructions import Call, Put, Reply  # noqa: E402
+from dtorch_core.controller.session import current_session  # noqa: E402
 
 from _streams import STREAMS, global_inputs  # noqa: E402
 

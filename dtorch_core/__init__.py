@@ -6,7 +6,7 @@ are handles; ops on them are planned here and run asynchronously on the workers.
 
 from __future__ import annotations
 
-from . import dispatch as _dispatch  # noqa: F401  (installs DTensor's dispatcher)
+from .planner import dispatch as _dispatch  # noqa: F401  (installs DTensor's dispatcher
 from . import checkpoint, errors, nn, optim
 from .api import (
     arange,
@@ -42,8 +42,8 @@ from .errors import (
     WorkerError,
     WorkerLostError,
 )
-from .graph.capture import capture, compile
-from .graph.wire import WireError
+from .capture import capture, compile
+from .ir.wire import WireError
 from .hookspecs import hookimpl
 from .mesh import DeviceMesh, init_device_mesh
 from .placement import Partial, Replicate, Shard

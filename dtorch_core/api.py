@@ -13,8 +13,8 @@ import torch
 from .errors import PlacementError
 from .mesh import DeviceMesh, init_device_mesh, root_coordinate
 from .placement import Partial, Replicate, Shard
-from .runtime import session as _session_mod
-from .runtime.session import Session, current_session, timeout_from_env
+from .controller import session as _session_mod
+from .controller.session import Session, current_session, timeout_from_env
 from .spec import TensorSpec, contiguous_stride, shard_region
 from .tensor import DTensor, root_placements, view_for
 
@@ -204,7 +204,7 @@ _FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "arange")
 
 
 def _factory(kind, shape, device_mesh, placements, dtype, fill=None, requires_grad=False):
-    from .dispatch import plan_factory
+    from .planner.dispatch import plan_factory
 
     if isinstance(shape, int):
         shape = (shape,)
@@ -272,7 +272,7 @@ def _size(size):
 # ---------------------------------------------------------------------------------------------
 def fetch_full(x: DTensor) -> torch.Tensor:
     """The global value of ``x`` on the controller (no autograd)."""
-    from .dispatch import redistribute_now
+    from .planner.dispatch import redistribute_now
 
     session = current_session()
     spec = x._spec
@@ -311,7 +311,7 @@ def local_shards(x: DTensor) -> dict:
 class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, placements, view):
-        from .dispatch import redistribute_now
+        from .planner.dispatch import redistribute_now
 
         ctx.src = x._spec.placements
         ctx.src_view = x._view
@@ -319,7 +319,7 @@ class _Redistribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from .dispatch import redistribute_now
+        from .planner.dispatch import redistribute_now
 
         if not isinstance(grad, DTensor):
             return None, None, None
@@ -355,7 +355,7 @@ class _FullTensor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from .dispatch import redistribute_now
+        from .planner.dispatch import redistribute_now
 
         spec = ctx.spec
         rep = distribute_tensor(grad, spec.mesh, [Replicate()] * spec.mesh.ndim)

@@ -18,7 +18,7 @@ hookimpl = pluggy.HookimplMarker("dtorch")
 def dtorch_register_ops(registry) -> None:
     """Add placement signatures (sharding rules) for operators.
 
-    ``registry`` is a :class:`dtorch_core.ops.registry.OpRegistry`; call
+    ``registry`` is a :class:`dtorch_core.planner.schema.OpRegistry`; call
     ``registry.add(op, rule)`` where ``op`` is an ``OpOverload`` or ``OpOverloadPacket`` and
     ``rule`` a function ``(OpCall) -> list[Strategy]``. Called once at start-up.
     """
@@ -38,7 +38,7 @@ def dtorch_register_kernels(registry) -> None:
 def dtorch_register_streams(registry) -> None:
     """Add worker streams per device type: ``registry.add(device_type, cls)``.
 
-    ``cls`` subclasses :class:`dtorch_core.runtime.streams.WorkerStreams`:
+    ``cls`` subclasses :class:`dtorch_core.worker.streams.WorkerStreams`:
     ``cls.device_for(device_type, rank)`` picks worker ``rank``'s device and ``cls(device)``
     makes its streams (``run``, ``communicate``, ``join_reads``, ``to_host``, ``synchronize``,
     ``memory_stats``; the base class documents each). A session with ``dt.init(device_type=...)``

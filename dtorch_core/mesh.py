@@ -141,7 +141,7 @@ def root_coordinate(root: DeviceMesh, rank: int) -> tuple[int, ...] | None:
 
 def init_device_mesh(device_type: str, mesh_shape, *, mesh_dim_names=None, ranks=None) -> DeviceMesh:
     """Create a mesh over the session's devices (ranks ``0..prod(shape)-1`` unless given)."""
-    from .runtime.session import current_session
+    from .controller.session import current_session
 
     session = current_session()
     workers_on = session.runner.device_type

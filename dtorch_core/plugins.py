@@ -34,7 +34,7 @@ REGISTRATION_HOOKS = {
 }
 BUILTIN_PLUGINS = (
     ("dtorch.ops", "dtorch_core.ops.builtin"),
-    ("dtorch.runtime", "dtorch_core.runtime.builtin"),
+    ("dtorch.runtime", "dtorch_core.runners.builtin"),
     ("dtorch.cli", "dtorch_core.cli"),
     ("dtorch.checkpoint", "dtorch_core.checkpoint.plugin"),
 )
@@ -67,11 +67,11 @@ def _disabled() -> tuple[str, ...]:
 
 def _make_registry(kind: str) -> Registry:
     if kind == "ops":
-        from .ops.registry import OpRegistry
+        from .planner.schema import OpRegistry
 
         return OpRegistry(kind)
     if kind == "kernels":
-        from .runtime.kernels import KernelRegistry
+        from .worker.kernels import KernelRegistry
 
         return KernelRegistry(kind)
     return Registry(kind)

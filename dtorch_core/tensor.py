@@ -10,7 +10,7 @@ from .spec import TensorSpec
 
 
 _NO_KWARGS: dict = {}
-_dispatch = None  # set by dtorch_core.dispatch (which imports this module)
+_dispatch = None  # set by dtorch_core.planner.dispatch (which imports this module)
 
 
 class _Handle:

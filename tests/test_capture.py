@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dtorch_core as dt
-from dtorch_core.graph.instructions import MergedAllReduce
+from dtorch_core.ir.instructions import MergedAllReduce
 
 from .helpers import BITWISE, assert_close, bad_index_raises
 from .test_modules import MLP, Block, distribute_module, tp_plan_block, tp_plan_mlp

@@ -121,7 +121,7 @@ USER_SCRIPT = """
     import structlog
     import torch
     import dtorch_core as dt
-    from dtorch_core.runtime.session import current_session
+    from dtorch_core.controller.session import current_session
 
     out_path, seed = sys.argv[1], int(sys.argv[2])
     dt.init()  # runner and world size come from `dtorch run`

@@ -11,7 +11,7 @@ import torch
 
 import dtorch_core as dt
 from dtorch_core.ops.common import R
-from dtorch_core.ops.registry import Strategy
+from dtorch_core.planner.schema import Strategy
 from dtorch_core.plugins import get_plugins
 
 from .helpers import DEVICE, MESH_2D, assert_close, bad_index_raises, needs_world_size
@@ -244,8 +244,8 @@ def test_meshes_of_the_same_devices_keep_their_own_dim_names(runner):
 
 
 def test_workers_map_the_handles_device_to_their_own():
-    from dtorch_core.graph.instructions import Slot
-    from dtorch_core.runtime.worker import on_device
+    from dtorch_core.ir.instructions import Slot
+    from dtorch_core.worker.loop import on_device
 
     mine = torch.device("cuda", 3)
     args = (Slot(0), [torch.device("cuda", 0), 2], torch.device("cpu"))

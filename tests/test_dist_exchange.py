@@ -18,11 +18,11 @@ import torch.multiprocessing as mp
 
 from dtorch_core.comm.collectives import combine_one
 from dtorch_core.comm.dist import DistExchange
-from dtorch_core.comm.hints import local_shapes
-from dtorch_core.graph.instructions import Collective, DefineMesh, Fetch, MergedAllReduce, Reply, Stats, WorkerFailure
+from dtorch_core.planner.emit import local_shapes
+from dtorch_core.ir.instructions import Collective, DefineMesh, Fetch, MergedAllReduce, Reply, Stats, WorkerFailure
 from dtorch_core.placement import Partial, Replicate, Shard
-from dtorch_core.runtime.process import free_port
-from dtorch_core.runtime.worker import CollectiveStep, Worker
+from dtorch_core.runners.process import free_port
+from dtorch_core.worker.loop import CollectiveStep, Worker
 
 WORLD = 4
 MESH_1D = (0, (4,))

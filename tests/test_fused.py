@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 import dtorch_core as dt
-from dtorch_core.graph.instructions import Call, Collective, Delete
-from dtorch_core.runtime import fused
-from dtorch_core.runtime.fused import FusedSegment, split
+from dtorch_core.ir.instructions import Call, Collective, Delete
+from dtorch_core.worker import fused
+from dtorch_core.worker.fused import FusedSegment, split
 
 from .test_capture import dist_batches, train_step
 from .test_modules import MLP, distribute_module, tp_plan_mlp

@@ -1,4 +1,4 @@
-"""The worker side of device graphs (runtime/graphs.py), on CPU with a stand-in for CUDA graphs.
+"""The worker side of device graphs (worker/graphs.py), on CPU with a stand-in for CUDA graphs.
 
 The stand-in records the program's work at capture without running it and runs it on each
 replay, as a CUDA graph does; the values come out of the graph's own input and output buffers.
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import dtorch_core as dt
-from dtorch_core.runtime import session as session_module
-from dtorch_core.runtime.streams import WorkerStreams
+from dtorch_core.controller import session as session_module
+from dtorch_core.worker.streams import WorkerStreams
 
 from .helpers import DEVICE
 from .test_capture import OPTIMIZERS, train_step

@@ -49,7 +49,7 @@ def test_composite_ops_handed_to_dispatch_expand_like_torch(mesh, dtype):
     """Ops torch composes from others (``to``, ``type_as``) reach ``__torch_dispatch__`` unexpanded
     when a decomposition inside dispatch calls them (torch 2.11): they expand as torch does. The
     same dtype gives the tensor itself, another one a copy that keeps the placement."""
-    from dtorch_core.dispatch import dispatch
+    from dtorch_core.planner.dispatch import dispatch
 
     x, other = torch.randn(7, 4), torch.zeros(7, 4, dtype=dtype)
     xd = dt.distribute_tensor(x, mesh, on_mesh(mesh, (S(0), R)))

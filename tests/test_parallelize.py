@@ -198,8 +198,8 @@ def test_tied_parameters_stay_one_parameter(mesh2d):
 
 
 def test_data_parallel_reduces_all_gradients_in_one_merged_exchange(mesh2d, monkeypatch):
-    from dtorch_core.graph.instructions import Collective, MergedAllReduce
-    from dtorch_core.runtime.session import current_session
+    from dtorch_core.ir.instructions import Collective, MergedAllReduce
+    from dtorch_core.controller.session import current_session
 
     torch.manual_seed(0)
     ref = GPT()

@@ -76,7 +76,7 @@ import torch
 from torch import Tensor
 
 import dtorch_core as dt
-from dtorch_core.ops.registry import Rule, Strategy
+from dtorch_core.planner.schema import Rule, Strategy
 
 KERNEL_CALLS = []
 _lock = threading.Lock()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dtorch_core as dt
-from dtorch_core.runtime import session as session_module
+from dtorch_core.controller import session as session_module
 
 from .helpers import assert_close
 

@@ -89,7 +89,7 @@ def test_sub_mesh_placements(mesh2d):
 
 
 def test_a_partial_input_is_reduced_once_while_unchanged(mesh, monkeypatch):
-    from dtorch_core.runtime.session import current_session
+    from dtorch_core.controller.session import current_session
 
     session = current_session()
     reductions = []
@@ -143,8 +143,8 @@ def test_collectives_in_a_group_of_one_are_local_copies(runner):
 def test_a_merged_all_reduce_with_a_failed_source_fails_only_its_dtype_group(runner, mesh1d):
     # one rank's float64 gradient failed: that rank must still make one exchange per dtype, as
     # its peers do (one exchange for everything would leave them waiting for a second)
-    from dtorch_core.comm.hints import merged_hints
-    from dtorch_core.graph.instructions import MergedAllReduce, WorkerFailure
+    from dtorch_core.planner.emit import merged_hints
+    from dtorch_core.ir.instructions import MergedAllReduce, WorkerFailure
     from dtorch_core.tensor import DTensor
 
     session = dt.api.current_session()

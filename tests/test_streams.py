@@ -17,7 +17,7 @@ import dtorch_core as dt
 from dtorch_core.comm.kinds import Communicator, choose_communicator
 from dtorch_core.plugins import get_plugins, reset_plugins
 from dtorch_core.registry import Registry
-from dtorch_core.runtime.streams import WorkerStreams
+from dtorch_core.worker.streams import WorkerStreams
 
 from .helpers import DEVICE, assert_close
 

@@ -1,4 +1,4 @@
-"""The wire format (graph/wire.py): exact round trips, every dtype, and a decoder that only ever
+"""The wire format (ir/wire.py): exact round trips, every dtype, and a decoder that only ever
 returns a value or raises WireError, whatever bytes it is given."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 import dtorch_core as dt
 from dtorch_core.errors import DTorchError
-from dtorch_core.graph import instructions as ins
-from dtorch_core.graph import wire
-from dtorch_core.graph.instructions import (
+from dtorch_core.ir import instructions as ins
+from dtorch_core.ir import wire
+from dtorch_core.ir.instructions import (
     Call,
     Collective,
     DefineMesh,
@@ -39,8 +39,8 @@ from dtorch_core.graph.instructions import (
     Stats,
     WorkerFailure,
 )
-from dtorch_core.graph.wire import WireError, decode, encode, encode_parts
-from dtorch_core.runtime.session import current_session
+from dtorch_core.ir.wire import WireError, decode, encode, encode_parts
+from dtorch_core.controller.session import current_session
 
 from .helpers import assert_close
 

@@ -12,12 +12,12 @@ import re
 
 import torch
 
-from ..dispatch import DirectPlan
+from ..planner.dispatch import DirectPlan
 from ..errors import CheckpointIOError, WorkerError
-from ..graph.instructions import DefinePlan
+from ..ir.instructions import DefinePlan
 from ..mesh import DeviceMesh
 from ..placement import Shard
-from ..runtime.session import current_session
+from ..controller.session import current_session
 from ..spec import TensorSpec
 from .kernels import FILE_ERROR_PREFIX
 

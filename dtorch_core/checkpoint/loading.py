@@ -9,7 +9,7 @@ import structlog
 import torch
 
 from ..errors import CheckpointIOError
-from ..graph.instructions import Slot
+from ..ir.instructions import Slot
 from ..mesh import root_coordinate
 from ..placement import Partial
 from ..tensor import DTensor

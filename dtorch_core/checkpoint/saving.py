@@ -8,9 +8,9 @@ from pathlib import Path
 import structlog
 import torch
 
-from ..dispatch import redistribute_now
+from ..planner.dispatch import redistribute_now
 from ..errors import CheckpointIOError
-from ..graph.instructions import Slot
+from ..ir.instructions import Slot
 from ..placement import Partial, Replicate
 from ..tensor import DTensor
 from . import publish

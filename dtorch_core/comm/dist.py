@@ -2,7 +2,7 @@
 
 The members of a group must agree on every contribution's size before payloads move. The
 controller knows them all, so its instructions carry every rank's local shape and the dtype
-(``Collective.shapes``/``dtype``, comm/hints.py) and the payloads move with no header exchange:
+(``Collective.shapes``/``dtype``, planner/emit.py) and the payloads move with no header exchange:
 
 - on CPU (gloo) every step is one all-gather of the contributions (padded to the largest)
   followed by the ``combine_all`` arithmetic of the in-process runners, so every runner computes
@@ -31,7 +31,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ..graph.instructions import WorkerFailure
+from ..ir.instructions import WorkerFailure
 from ..mesh import DeviceMesh
 from ..placement import chunk_extent
 
@@ -51,7 +51,7 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 @attrs.define
 class DistExchange:
-    """The exchange interface of :class:`~dtorch_core.runtime.worker.Worker` over process groups."""
+    """The exchange interface of :class:`~dtorch_core.worker.loop.Worker` over process groups."""
 
     rank: int
     device: torch.device

@@ -83,7 +83,7 @@ class LockstepExchange:
     _slots: dict = attrs.field(factory=dict)
 
     def exchange(self, key, index: int, size: int, value, compute):
-        from ..runtime.worker import PENDING
+        from ..worker.loop import PENDING
 
         slot = self._slots.get(key)
         if slot is None:

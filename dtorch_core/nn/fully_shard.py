@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from ..dispatch import redistribute_now
+from ..planner.dispatch import redistribute_now
 from ..mesh import DeviceMesh
 from ..placement import Replicate, Shard
 from ..tensor import DTensor

@@ -14,8 +14,8 @@ import attrs
 import structlog
 import torch.nn as nn
 
-from ..comm.hints import merged_hints
-from ..graph.instructions import MergedAllReduce
+from ..planner.emit import merged_hints
+from ..ir.instructions import MergedAllReduce
 from ..mesh import DeviceMesh
 from ..placement import Partial, Replicate
 from ..tensor import DTensor

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..dispatch import DirectPlan
+from ..planner.dispatch import DirectPlan
 from ..errors import MeshMismatchError
-from ..graph.instructions import DefinePlan, Slot
+from ..ir.instructions import DefinePlan, Slot
 from ..mesh import root_coordinate
-from ..runtime.session import current_session
+from ..controller.session import current_session
 from ..tensor import DTensor
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..placement import Partial, Replicate, Shard
-from .registry import Strategy
+from ..planner.schema import Strategy
 
 R = Replicate()
 LINEAR_PARTIALS = (Partial("sum"), Partial("avg"))

@@ -6,7 +6,7 @@ import torch
 
 from ..placement import Shard
 from .common import ALL_PARTIALS, LINEAR_PARTIALS, R, add_all, replicate_all
-from .registry import Strategy
+from ..planner.schema import Strategy
 
 aten = torch.ops.aten
 

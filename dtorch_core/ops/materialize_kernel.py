@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.kernels import _global_rng_lock, resolve_op
+from ..worker.kernels import _global_rng_lock, resolve_op
 
 _INIT_FUNCTIONS = frozenset({"trunc_normal_", "orthogonal_", "sparse_", "dirac_"})
 

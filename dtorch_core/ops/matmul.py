@@ -6,7 +6,7 @@ import torch
 
 from ..placement import Shard
 from .common import LINEAR_PARTIALS, R
-from .registry import Strategy
+from ..planner.schema import Strategy
 
 aten = torch.ops.aten
 

@@ -7,7 +7,7 @@ import torch
 from ..placement import Partial, Replicate, Shard
 from .common import LINEAR_PARTIALS, R, pointwise_strategies, replicate_all
 from .kernels import attention_kernel_name, attention_overloads
-from .registry import Rule, Strategy
+from ..planner.schema import Rule, Strategy
 
 aten = torch.ops.aten
 PSUM = Partial("sum")
@@ -36,7 +36,7 @@ def softmax_decomposition(op):
     log = op is aten._log_softmax.default
 
     def run(x, dim, half_to_float):
-        from ..dispatch import dispatch_direct
+        from ..planner.dispatch import dispatch_direct
 
         if not _sharded_along(x, dim) or half_to_float:
             return dispatch_direct(op, (x, dim, half_to_float), {})
@@ -55,7 +55,7 @@ def softmax_backward_decomposition(op):
     log = op is aten._log_softmax_backward_data.default
 
     def run(grad, out, dim, input_dtype):
-        from ..dispatch import dispatch_direct
+        from ..planner.dispatch import dispatch_direct
 
         if not (_sharded_along(grad, dim) or _sharded_along(out, dim)) or grad.dtype != input_dtype:
             return dispatch_direct(op, (grad, out, dim, input_dtype), {})
@@ -231,7 +231,7 @@ def nll_loss_forward_decomposition(op):
     (exact for uneven shards, unlike a mean of per-shard means)."""
 
     def decomposition(x, target, weight, reduction, ignore_index):
-        from ..dispatch import dispatch_direct
+        from ..planner.dispatch import dispatch_direct
         from ..tensor import DTensor
 
         batch_dims = _nll_batch_dims(x)
@@ -287,7 +287,7 @@ def _class_sharded_nll(x, target, weight, reduction, ignore_index):
 
 def nll_loss_backward_decomposition(grad_output, x, target, weight, reduction, ignore_index, total_weight):
     """The gradient for class-sharded log-probs: -weight(target) at the target, scaled."""
-    from ..dispatch import dispatch_direct
+    from ..planner.dispatch import dispatch_direct
 
     if not _class_sharded(x):
         return dispatch_direct(aten.nll_loss_backward.default,

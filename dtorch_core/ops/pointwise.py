@@ -7,7 +7,7 @@ import functools
 import torch
 
 from .common import ALL_PARTIALS, LINEAR_PARTIALS, R, add_all, pointwise_strategies
-from .registry import Strategy
+from ..planner.schema import Strategy
 
 aten = torch.ops.aten
 

@@ -6,7 +6,7 @@ import torch
 
 from ..placement import Partial, Shard
 from .common import R, add_all, replicate_all
-from .registry import Rule, Strategy
+from ..planner.schema import Rule, Strategy
 
 aten = torch.ops.aten
 
@@ -74,7 +74,7 @@ def mean_localize(local):
 
 def norm_decomposition(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     """Vector norms over sharded or Partial inputs through sums/maxima that reduce exactly."""
-    from ..dispatch import dispatch_direct
+    from ..planner.dispatch import dispatch_direct
     from ..tensor import DTensor
 
     spec = x._spec if isinstance(x, DTensor) else None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .common import ALL_PARTIALS, LINEAR_PARTIALS, add_all, dim_map_strategies, view_dim_map
-from .registry import Rule
+from ..planner.schema import Rule
 
 aten = torch.ops.aten
 
@@ -142,7 +142,7 @@ def inplace_view_decomposition(inplace, out_of_place):
 def squeeze_decomposition(x, dim=None):
     """Squeeze exactly the dims of global size 1: on an uneven shard a local dim can have size 1
     where the global one does not, and a plain ``squeeze()`` would drop it there."""
-    from ..dispatch import dispatch_direct
+    from ..planner.dispatch import dispatch_direct
 
     nd = x.ndim
     if dim is None:

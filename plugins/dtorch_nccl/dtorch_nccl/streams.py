@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from dtorch_core.runtime.streams import WorkerStreams
+from dtorch_core.worker.streams import WorkerStreams
 
 from .device import device_for_rank, memory_stats
 

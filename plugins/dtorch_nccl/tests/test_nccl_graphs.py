@@ -2,7 +2,7 @@
 
 Thread runner (virtual devices on one GPU, where the test can look at the workers) and the
 process runner with one worker. Programs with collectives or random ops replay without a graph
-(see dtorch_core/runtime/graphs.py); that path is checked too.
+(see dtorch_core/worker/graphs.py); that path is checked too.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from conftest import requires_gpu
 
 import dtorch_core as dt
-from dtorch_core.runtime import session as session_module
+from dtorch_core.controller import session as session_module
 
 pytestmark = requires_gpu
 

@@ -15,7 +15,7 @@ from conftest import HAS_GPU
 import dtorch_core as dt
 from dtorch_core.comm.kinds import choose_communicator
 from dtorch_core.plugins import get_plugins
-from dtorch_core.runtime.streams import WorkerStreams, streams_class
+from dtorch_core.worker.streams import WorkerStreams, streams_class
 
 no_gpu = pytest.mark.skipif(HAS_GPU, reason="checks the errors of a machine without a GPU")
 

@@ -11,7 +11,7 @@ checks that the step can run again from its own results, and optimises it once:
 - freeing at last use: a temporary is deleted right after the last instruction that touches it,
   instead of when the controller's handle happened to die (lower peak memory than eager);
 - with ``fusable_plan``, marking the calls workers may fuse into compiled segments (the workers
-  choose the segments, see ``runtime.fused``).
+  choose the segments, see ``worker.fused``).
 
 Everything else the step touches is *state*: tensors made before the step (parameters,
 optimizer state) are read and written in place under their own ids, and tensors the step makes
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import attrs
 
-from ..comm.hints import merge_hints
+from ..planner.emit import merge_hints
 from ..errors import CaptureError
 from .instructions import VIRTUAL_BASE, Call, Collective, Delete, MergedAllReduce, Put, program_seed
 
@@ -32,7 +32,7 @@ _BODY_TYPES = (Call, Collective, MergedAllReduce, Put, Delete)
 
 @attrs.define
 class Recording:
-    """What the controller emitted and released while a step ran (see ``graph.capture``)."""
+    """What the controller emitted and released while a step ran (see ``dtorch_core.capture``)."""
 
     first_tid: int  # ids above this one were made during the recording
     seed: int

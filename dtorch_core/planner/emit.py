@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 
-from ..graph.instructions import Collective
+from ..ir.instructions import Collective
 from ..spec import shard_region
 
 COMMUNICATING = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})

@@ -21,11 +21,11 @@ import structlog
 import torch
 from torch.utils import _pytree as pytree
 
-from ..errors import CaptureError, GuardError
-from ..runtime.session import current_session, format_source
-from ..tensor import DTensor
-from .instructions import DefineProgram, DropProgram, RunProgram
-from .program import Program, Recording, build_program, first_difference
+from .errors import CaptureError, GuardError
+from .controller.session import current_session, format_source
+from .tensor import DTensor
+from .ir.instructions import DefineProgram, DropProgram, RunProgram
+from .ir.program import Program, Recording, build_program, first_difference
 
 log = structlog.get_logger(__name__)
 
@@ -77,7 +77,7 @@ def recording(session):
 def _user_frame():
     import os
 
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pkg = os.path.dirname(os.path.abspath(__file__))  # dtorch_core/
     tdir = os.path.dirname(os.path.abspath(torch.__file__))
     f = sys._getframe(1)
     while f is not None:

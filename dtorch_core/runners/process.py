@@ -23,10 +23,10 @@ import weakref
 import structlog
 
 from ..errors import WorkerError, WorkerLostError
-from ..graph import wire
-from ..graph.instructions import DefinePlan, Put, Reply
-from .runners import Runner
-from .session import FlushPolicy
+from ..ir import wire
+from ..ir.instructions import DefinePlan, Put, Reply
+from .local import Runner
+from ..controller.session import FlushPolicy
 
 log = structlog.get_logger(__name__)
 
@@ -70,7 +70,7 @@ class ProcessRunner(Runner):
         from ..comm.kinds import choose_communicator
         from ..plugins import get_plugins
         from ..transport.channel import active_backend
-        from .streams import streams_class
+        from ..worker.streams import streams_class
 
         plugins = get_plugins()
         create_channel = plugins.registry("transports").get("local")
@@ -122,7 +122,7 @@ class ProcessRunner(Runner):
                 "send": up_spec.encode(),
             }
             proc = subprocess.Popen(
-                [sys.executable, "-m", "dtorch_core.runtime.worker_main", json.dumps(config)],
+                [sys.executable, "-m", "dtorch_core.worker_main", json.dumps(config)],
                 env=env,
                 pass_fds=down_spec.pass_fds + up_spec.pass_fds,
                 stdin=subprocess.DEVNULL,

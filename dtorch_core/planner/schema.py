@@ -81,7 +81,7 @@ class OpRegistry(Registry):
         """Run ``fn(*args, **kwargs)`` on the controller instead of planning ``op`` directly.
 
         ``fn`` receives distributed tensors and calls ordinary torch ops on them (which are
-        planned as usual); it may call :func:`dtorch_core.dispatch.dispatch_direct` to plan the
+        planned as usual); it may call :func:`dtorch_core.planner.dispatch.dispatch_direct` to plan the
         op itself with its rule.
         """
         if op in self.decompositions and not replace:

@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from ..comm.collectives import combine_all, combine_one, local_step
-from ..graph.instructions import (
+from ..ir.instructions import (
     COMMUNICATING_KINDS,
     Call,
     Collective,

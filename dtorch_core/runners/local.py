@@ -12,10 +12,10 @@ import torch
 from ..comm.inprocess import LockstepExchange
 from ..comm.kinds import choose_communicator
 from ..errors import DeviceError, WorkerLostError
-from ..graph.instructions import RunProgram
-from .session import FlushPolicy
-from .streams import make_streams
-from .worker import Worker
+from ..ir.instructions import RunProgram
+from ..controller.session import FlushPolicy
+from ..worker.streams import make_streams
+from ..worker.loop import Worker
 
 log = structlog.get_logger(__name__)
 
@@ -28,7 +28,7 @@ class Runner:
     """
 
     name = "?"
-    collective_hints = False  # whether Collectives must carry every rank's shapes (comm/hints.py)
+    collective_hints = False  # whether Collectives must carry every rank's shapes (planner/emit.py)
 
     def __init__(self, world_size: int, device_type: str = "cpu"):
         self.world_size = world_size

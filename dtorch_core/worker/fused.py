@@ -24,8 +24,8 @@ import structlog
 import torch
 from torch.utils import _pytree as pytree
 
-from ..graph.instructions import Call, Delete
-from ..graph.program import reads_of
+from ..ir.instructions import Call, Delete
+from ..ir.program import reads_of
 
 log = structlog.get_logger(__name__)
 

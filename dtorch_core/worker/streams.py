@@ -61,7 +61,7 @@ class WorkerStreams:
         """A copy of ``value`` the controller may read from another thread or process."""
         return value
 
-    # whether ``capture`` can record device work into a graph (see runtime/graphs.py)
+    # whether ``capture`` can record device work into a graph (see worker/graphs.py)
     can_capture: bool = False
 
     def capture(self, fn):

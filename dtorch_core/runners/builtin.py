@@ -5,8 +5,8 @@ from __future__ import annotations
 from ..comm.inprocess import InProcessExchange
 from ..comm.kinds import Communicator
 from ..hookspecs import hookimpl
-from .runners import InlineRunner, ThreadRunner
-from .streams import WorkerStreams
+from .local import InlineRunner, ThreadRunner
+from ..worker.streams import WorkerStreams
 
 
 def _process_runner(world_size: int, **options):

@@ -1,4 +1,4 @@
-"""Entry point of a ``process`` runner worker: ``python -m dtorch_core.runtime.worker_main CONFIG``.
+"""Entry point of a ``process`` runner worker: ``python -m dtorch_core.worker_main CONFIG``.
 
 CONFIG is JSON written by the controller (rank, world size, rendezvous port, channel specs).
 The worker takes its device (the streams registered for the device type pick it), joins the
@@ -37,14 +37,14 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from ..graph import wire
-    from ..graph.instructions import Reply, WorkerFailure
-    from ..logging import configure
-    from ..plugins import get_plugins
-    from ..transport.channel import ChannelSpec, open_channel
-    from .process import PROTOCOL, READY, SHUTDOWN
-    from .streams import make_streams
-    from .worker import Worker
+    from .ir import wire
+    from .ir.instructions import Reply, WorkerFailure
+    from .logging import configure
+    from .plugins import get_plugins
+    from .transport.channel import ChannelSpec, open_channel
+    from .runners.process import PROTOCOL, READY, SHUTDOWN
+    from .worker.streams import make_streams
+    from .worker.loop import Worker
 
     configure()
     rank = config["rank"]

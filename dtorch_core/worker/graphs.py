@@ -20,7 +20,7 @@ import attrs
 import structlog
 import torch
 
-from ..graph.instructions import COMMUNICATING_KINDS, Collective, MergedAllReduce, Put, WorkerFailure
+from ..ir.instructions import COMMUNICATING_KINDS, Collective, MergedAllReduce, Put, WorkerFailure
 
 log = structlog.get_logger(__name__)
 WARM_UP_REPLAYS = 1  # plain replays before capture (lazy allocations, library handles)

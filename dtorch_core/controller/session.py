@@ -11,7 +11,7 @@ import structlog
 import torch
 
 from ..errors import NotInitializedError, WorkerError
-from ..graph.instructions import DefineMesh, Delete, Fetch, Put, Stats, program_seed
+from ..ir.instructions import DefineMesh, Delete, Fetch, Put, Stats, program_seed
 
 log = structlog.get_logger(__name__)
 
@@ -248,7 +248,7 @@ class Session:
         self.fallback_counts[name] += 1
         if name not in self._warned:
             self._warned.add(name)
-            from ..dispatch import warn_fallback_once
+            from ..planner.dispatch import warn_fallback_once
 
             warn_fallback_once(name)
 

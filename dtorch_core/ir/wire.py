@@ -452,7 +452,7 @@ def encode_parts(obj) -> list:
         elif t is torch.dtype:
             code = _DTYPE_CODES.get(v)
             if code is None:
-                raise WireError(f"dtype {v} has no wire code; add it to _DTYPE_TABLE in graph/wire.py")
+                raise WireError(f"dtype {v} has no wire code; add it to _DTYPE_TABLE in ir/wire.py")
             append(0xD3)
             append(code)
         elif t is torch.Size:
@@ -501,7 +501,7 @@ def encode_parts(obj) -> list:
                 f"cannot encode a value of type {_type_name(v)} ({_short_repr(v)}); the wire format "
                 f"carries None, bool, int, float, complex, str, bytes, tuple, list, dict, slice, "
                 f"Ellipsis, torch dtypes/devices/layouts/memory formats/Sizes, tensors and the "
-                f"classes of graph/instructions.py"
+                f"classes of ir/instructions.py"
             )
 
     if kind == KIND_BATCH and type(obj) is tuple:

@@ -17,24 +17,24 @@ import attrs
 import structlog
 import torch
 
-from .errors import FallbackRefusedError, MeshMismatchError, OpError
-from .graph.instructions import Call, Collective, DefinePlan, Slot, fill_slots
-from .mesh import DeviceMesh, root_coordinate
-from .ops.registry import LocalCall, OpCall, Rule, Strategy
-from .placement import Partial, Replicate, Shard
-from .comm.hints import emit_steps
-from .redistribute import plan_redistribute, redistribute_cost
-from .runtime.kernels import SEEDED_PREFIX
-from .spec import TensorSpec, contiguous_stride, shard_region
-from . import tensor as _tensor_mod
-from .runtime import session as _session_mod
-from .runtime.session import current_session
-from .tensor import DTensor, view_for
+from ..errors import FallbackRefusedError, MeshMismatchError, OpError
+from ..ir.instructions import Call, Collective, DefinePlan, Slot, fill_slots
+from ..mesh import DeviceMesh, root_coordinate
+from .schema import LocalCall, OpCall, Rule, Strategy
+from ..placement import Partial, Replicate, Shard
+from .emit import emit_steps
+from ..redistribute import plan_redistribute, redistribute_cost
+from ..worker.kernels import SEEDED_PREFIX
+from ..spec import TensorSpec, contiguous_stride, shard_region
+from .. import tensor as _tensor_mod
+from ..controller import session as _session_mod
+from ..controller.session import current_session
+from ..tensor import DTensor, view_for
 
 log = structlog.get_logger(__name__)
 
 aten = torch.ops.aten
-_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dtorch_core/
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 # ops that read values on the host in torch too; they run on the controller with the full values
 # (``_linalg_check_errors`` raises torch's LinAlgError: run on the workers its error had nowhere
@@ -671,7 +671,7 @@ def _is_random(func) -> bool:
 
 
 def _run_on_controller(func, args, kwargs):
-    from .api import fetch_full
+    from ..api import fetch_full
 
     values = []
     _key_of((args, kwargs), values)
