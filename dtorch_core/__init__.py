@@ -6,9 +6,9 @@ are handles; ops on them are planned here and run asynchronously on the workers.
 
 from __future__ import annotations
 
-from .planner import dispatch as _dispatch  # noqa: F401  (installs DTensor's dispatcher
-from . import checkpoint, errors, nn, optim
+from . import checkpoint, debug, errors, nn, optim, tensor
 from .api import (
+    TENSOR_METHODS,
     arange,
     device_type,
     distribute_tensor,
@@ -17,6 +17,7 @@ from .api import (
     from_local,
     full,
     init,
+    init_device_mesh,
     is_initialized,
     manual_seed,
     memory_stats,
@@ -45,9 +46,11 @@ from .errors import (
 from .capture import capture, compile
 from .ir.wire import WireError
 from .hookspecs import hookimpl
-from .mesh import DeviceMesh, init_device_mesh
+from .mesh import DeviceMesh
 from .placement import Partial, Replicate, Shard
 from .tensor import DTensor
+
+tensor.install(TENSOR_METHODS)  # DTensor's dispatcher and movement, once, before any DTensor exists
 
 __version__ = "0.1.0"
 
@@ -75,6 +78,7 @@ __all__ = [
     "capture",
     "checkpoint",
     "compile",
+    "debug",
     "distribute_tensor",
     "empty",
     "errors",

@@ -10,13 +10,18 @@ import os
 import structlog
 import torch
 
-from .errors import PlacementError
-from .mesh import DeviceMesh, init_device_mesh, root_coordinate
-from .placement import Partial, Replicate, Shard
 from .controller import session as _session_mod
 from .controller.session import Session, current_session, timeout_from_env
+from .errors import PlacementError
+from .logging import ensure_configured
+from .mesh import DeviceMesh, register_root, root_coordinate
+from .placement import Partial, Replicate, Shard
+from .planner.dispatch import dispatch
+from .planner.factories import factory
+from .planner.moves import fetch_full, issue_redistribute, local_shard, local_shards, without_partial
+from .plugins import get_plugins
 from .spec import TensorSpec, contiguous_stride, shard_region
-from .tensor import DTensor, root_placements, view_for
+from .tensor import DTensor, TensorMethods, root_placements, view_for
 
 log = structlog.get_logger(__name__)
 
@@ -32,9 +37,6 @@ def init(world_size: int | None = None, *, runner: str | None = None, device_typ
     ``$DTORCH_WORLD_SIZE`` or 1. ``strict=True`` (or ``DTORCH_STRICT=1``) makes ops without a
     sharding rule raise instead of running replicated.
     """
-    from .logging import ensure_configured
-    from .plugins import get_plugins
-
     ensure_configured()
     if _session_mod._session is not None:
         shutdown()
@@ -45,9 +47,11 @@ def init(world_size: int | None = None, *, runner: str | None = None, device_typ
     if strict is None:
         strict = os.environ.get("DTORCH_STRICT", "") not in ("", "0")
     timeout = timeout_from_env() if timeout is None else float(timeout)
-    factory = get_plugins().registry("runners").get(runner)
-    runner_obj = factory(world_size, device_type=device_type, timeout=timeout, **options)
-    session = Session(runner_obj, strict=strict, timeout=timeout)
+    plugins = get_plugins()  # resolved once here; the runner and the session get what they need
+    make_runner = plugins.registry("runners").get(runner)
+    runner_obj = make_runner(world_size, device_type=device_type, timeout=timeout, plugins=plugins, **options)
+    session = Session(runner_obj, ops=plugins.registry("ops"), kernels=plugins.registry("kernels"),
+                      strict=strict, timeout=timeout)
     _session_mod.set_session(session)
     log.debug("session started", runner=runner, world_size=world_size)
     return session
@@ -97,6 +101,34 @@ def set_strict(strict: bool = True) -> None:
     session = current_session()
     session.strict = strict
     session.plans.clear()
+
+
+def init_device_mesh(device_type: str, mesh_shape, *, mesh_dim_names=None, ranks=None) -> DeviceMesh:
+    """Create a mesh over the session's devices (ranks ``0..prod(shape)-1`` unless given)."""
+    session = current_session()
+    workers_on = session.runner.device_type
+    if device_type != workers_on:
+        raise PlacementError(
+            f"a {device_type!r} mesh needs workers on {device_type!r}, but this session's run on "
+            f"{workers_on!r}; call dt.init(device_type={device_type!r}) or make the mesh with {workers_on!r}"
+        )
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    n = math.prod(mesh_shape)
+    ranks = tuple(range(n)) if ranks is None else tuple(int(r) for r in ranks)
+    if len(ranks) != n or len(set(ranks)) != n:
+        raise PlacementError(f"mesh shape {mesh_shape} needs {n} distinct ranks, got {ranks}")
+    if max(ranks) >= session.world_size:
+        raise PlacementError(
+            f"mesh {mesh_shape} needs {n} devices but the session has world_size={session.world_size}; "
+            "call dt.init(world_size=...) with more devices"
+        )
+    if mesh_dim_names is not None:
+        mesh_dim_names = tuple(mesh_dim_names)
+        if len(mesh_dim_names) != len(mesh_shape) or len(set(mesh_dim_names)) != len(mesh_dim_names):
+            raise PlacementError(f"mesh_dim_names {mesh_dim_names} must name each of {len(mesh_shape)} dims once")
+    mesh = register_root(DeviceMesh(device_type, mesh_shape, ranks, mesh_dim_names))
+    session.define_mesh(mesh)
+    return mesh
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,30 +232,11 @@ def from_local(local, device_mesh: DeviceMesh, placements, *, shape=None) -> DTe
     return DTensor._make(spec, device_mesh, tid, session)
 
 
-_FACTORIES = ("zeros", "ones", "empty", "full", "rand", "randn", "arange")
-
-
 def _factory(kind, shape, device_mesh, placements, dtype, fill=None, requires_grad=False):
-    from .planner.dispatch import plan_factory
-
     if isinstance(shape, int):
         shape = (shape,)
-    shape = tuple(int(s) for s in shape)
-    if dtype is None:
-        if kind == "full":
-            dtype = torch.full((), fill).dtype  # torch's own inference: int64, bool, float...
-        elif kind == "arange":
-            dtype = torch.arange(fill[0], fill[0] + fill[1], fill[1]).dtype
-        else:
-            dtype = torch.get_default_dtype()
-    if placements is None:
-        placements = [Replicate()] * device_mesh.ndim
-    full = root_placements(device_mesh, placements, len(shape))
-    spec = TensorSpec(device_mesh.root, full, shape, contiguous_stride(shape), dtype)
-    out = plan_factory(kind, spec, device_mesh, fill)
-    if requires_grad:
-        out.requires_grad_(True)
-    return out
+    return factory(current_session(), kind, tuple(int(s) for s in shape), device_mesh, placements, dtype, fill,
+                   requires_grad)
 
 
 def zeros(*size, device_mesh, placements=None, dtype=None, requires_grad=False) -> DTensor:
@@ -270,61 +283,21 @@ def _size(size):
 # ---------------------------------------------------------------------------------------------
 # reads
 # ---------------------------------------------------------------------------------------------
-def fetch_full(x: DTensor) -> torch.Tensor:
-    """The global value of ``x`` on the controller (no autograd)."""
-    from .planner.dispatch import redistribute_now
-
-    session = current_session()
-    spec = x._spec
-    if spec.has_partial():
-        x = redistribute_now(x, tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements))
-        spec = x._spec
-    root = spec.mesh
-    picks = {}
-    for rank in root.ranks:
-        picks.setdefault(spec.region(_coord(root, rank)), rank)
-    shards = session.fetch(x._tid, picks.values())
-    out = torch.empty(spec.shape, dtype=spec.dtype)
-    for region, rank in picks.items():
-        index = tuple(slice(off, off + n) for off, n in region)
-        out[index] = shards[rank]
-    return out
-
-
-def local_shard(x: DTensor, rank: int | None = None) -> torch.Tensor:
-    session = current_session()
-    root = x._spec.mesh
-    rank = root.ranks[0] if rank is None else rank
-    if rank not in root.ranks:
-        raise PlacementError(f"rank {rank} is not on the mesh {root!r}")
-    return session.fetch(x._tid, (rank,))[rank].detach().clone()
-
-
-def local_shards(x: DTensor) -> dict:
-    session = current_session()
-    return {r: t.detach().clone() for r, t in session.fetch(x._tid, x._spec.mesh.ranks).items()}
-
-
 # ---------------------------------------------------------------------------------------------
 # differentiable movement
 # ---------------------------------------------------------------------------------------------
 class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, placements, view):
-        from .planner.dispatch import redistribute_now
-
         ctx.src = x._spec.placements
         ctx.src_view = x._view
-        return redistribute_now(x, placements, view)
+        return issue_redistribute(x, placements, view)
 
     @staticmethod
     def backward(ctx, grad):
-        from .planner.dispatch import redistribute_now
-
         if not isinstance(grad, DTensor):
             return None, None, None
-        target = tuple(Replicate() if isinstance(p, Partial) else p for p in ctx.src)
-        return redistribute_now(grad, target, ctx.src_view), None, None
+        return issue_redistribute(grad, without_partial(ctx.src), ctx.src_view), None, None
 
 
 def _redistribute_autograd(x: DTensor, device_mesh, placements) -> DTensor:
@@ -355,13 +328,20 @@ class _FullTensor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from .planner.dispatch import redistribute_now
-
         spec = ctx.spec
         rep = distribute_tensor(grad, spec.mesh, [Replicate()] * spec.mesh.ndim)
-        target = tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements)
-        return redistribute_now(rep, target, ctx.view)
+        return issue_redistribute(rep, without_partial(spec.placements), ctx.view)
 
 
 def _full_tensor_autograd(x: DTensor) -> torch.Tensor:
     return _FullTensor.apply(x)
+
+
+TENSOR_METHODS = TensorMethods(
+    dispatch=dispatch,
+    redistribute=_redistribute_autograd,
+    full_tensor=_full_tensor_autograd,
+    to_local=local_shard,
+    local_shards=local_shards,
+    from_local=from_local,
+)

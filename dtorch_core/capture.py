@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import sys
 
 import attrs
 import structlog
@@ -22,70 +21,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import CaptureError, GuardError
-from .controller.session import current_session, format_source
-from .tensor import DTensor
-from .ir.instructions import DefineProgram, DropProgram, RunProgram
+from .controller.session import current_session
 from .ir.program import Program, Recording, build_program, first_difference
+from .planner.source import format_source
+from .tensor import DTensor
 
 log = structlog.get_logger(__name__)
-
-
-@contextlib.contextmanager
-def recording(session):
-    """Record what ``session`` emits and frees; value reads are noted (and refused afterwards).
-
-    The session's methods are shadowed on the instance for the duration, so the eager hot path
-    pays nothing for capture support when no recording is running.
-    """
-    if getattr(session, "_recording", None) is not None:
-        raise CaptureError("a capture is already running; captures do not nest")
-    rec = Recording(session._tid, session._seed, session._seed_counter)
-    emit, release, release_many, request = session.emit, session.release, session.release_many, session.request
-
-    def rec_emit(ins):
-        rec.instructions.append(ins)
-        emit(ins)
-
-    def rec_release(tid):
-        rec.released.append(tid)
-        release(tid)
-
-    def rec_release_many(tids):
-        rec.released.extend(tids)
-        release_many(tids)
-
-    def rec_request(make, count):
-        rec.reads.append(_user_frame())
-        return request(make, count)
-
-    shadowed = {name: vars(session).get(name) for name in ("emit", "release", "release_many", "request")}
-    session.emit, session.release, session.release_many, session.request = (
-        rec_emit, rec_release, rec_release_many, rec_request)
-    session._recording = rec
-    try:
-        yield rec
-    finally:
-        session._recording = None
-        for name, previous in shadowed.items():
-            if previous is None:
-                vars(session).pop(name, None)
-            else:
-                setattr(session, name, previous)
-        rec.seeds_drawn = session._seed_counter - rec.seed_counter
-
-
-def _user_frame():
-    import os
-
-    pkg = os.path.dirname(os.path.abspath(__file__))  # dtorch_core/
-    tdir = os.path.dirname(os.path.abspath(torch.__file__))
-    f = sys._getframe(1)
-    while f is not None:
-        name = f.f_code.co_filename
-        if not (name.startswith(pkg) or name.startswith(tdir) or name.startswith("<")):
-            return (name, f.f_lineno)
-        f = f.f_back
-    return None
 
 
 def _refuse_reads(rec: Recording, what: str) -> None:
@@ -116,8 +57,7 @@ def _args_text(define) -> str:
 
 
 def _define(session, program: Program) -> int:
-    pid = session.new_program_id()
-    session.emit(DefineProgram(pid, program.instructions, program.inputs, program.outputs, program.fusable))
+    pid = session.define_program(program)
     log.debug("program defined", program=pid, instructions=len(program.instructions),
               recorded=program.recorded, eliminated=program.eliminated, fusable=len(program.fusable))
     return pid
@@ -138,11 +78,6 @@ def _fusable_plan(session):
         return plan_id in pure and define is not None and define.target.startswith("aten::")
 
     return fusable
-
-
-def _drop(session, pid: int) -> None:
-    if not session._closed:
-        session.emit(DropProgram(pid))
 
 
 @attrs.frozen
@@ -218,7 +153,7 @@ class CompiledFunction:
         while len(self._captured) > self.max_programs:
             _, old = self._captured.popitem(last=False)
             if old.program is not None and old.session is session:
-                _drop(session, old.program_id)
+                session.drop_program(old.program_id)
         return entry
 
     # -- calls --------------------------------------------------------------------------------
@@ -232,7 +167,7 @@ class CompiledFunction:
         if entry.calls <= self.warmup:
             return self.fn(*args, **kwargs)
         inputs = [x._tid for x in leaves if type(x) is DTensor]
-        with recording(session) as rec:
+        with session.recording() as rec:
             result = self.fn(*args, **kwargs)
         _refuse_reads(rec, self._name)
         out_leaves, out_tree = pytree.tree_flatten(result)
@@ -295,9 +230,7 @@ class CompiledFunction:
                 out.append(DTensor._make(leaf.spec, leaf.view, tid, session))
             else:
                 out.append(leaf)
-        session.emit(RunProgram(entry.program_id, inputs, tuple(fresh), session._seed, session._seed_counter))
-        session._seed_counter += entry.program.seeds
-        session.flush()  # a whole step: the workers should start now, not at the next timer tick
+        session.run_program(entry.program_id, entry.program, inputs, tuple(fresh))
         self.replays += 1
         return pytree.tree_unflatten(out, entry.out_tree)
 
@@ -305,7 +238,7 @@ class CompiledFunction:
         """Forget every captured program (the next calls warm up and capture again)."""
         for entry in self._captured.values():
             if entry.program is not None:
-                _drop(entry.session, entry.program_id)
+                entry.session.drop_program(entry.program_id)
         self._captured.clear()
 
 
@@ -378,13 +311,11 @@ class CapturedGraph:
         if self.program is None:
             raise CaptureError("nothing was captured: replay() works after the `with dt.capture()` block ends")
         session = self.session
-        session.emit(RunProgram(self.program_id, (), (), session._seed, session._seed_counter))
-        session._seed_counter += self.program.seeds
-        session.flush()
+        session.run_program(self.program_id, self.program, (), ())
 
     def reset(self) -> None:
         if self.program is not None:
-            _drop(self.session, self.program_id)
+            self.session.drop_program(self.program_id)
             self.program = None
 
 
@@ -396,7 +327,7 @@ def capture(*, fuse_local: bool = False):
     """
     session = current_session()
     graph = CapturedGraph()
-    with recording(session) as rec:
+    with session.recording() as rec:
         yield graph
     _refuse_reads(rec, "the captured block")
     graph.program = build_program(rec, (), (), session.pure_plans, _describe(session),

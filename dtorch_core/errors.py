@@ -94,3 +94,7 @@ class CheckpointIOError(CheckpointError):
 class MaterializeError(DTorchError):
     """A meta-built model cannot be materialised: a tensor's initial values were never recorded,
     or its initialisation used something the workers cannot replay."""
+
+
+class SessionError(DTorchError):
+    """A tensor used outside the session that made it (an ended session, or mixed sessions)."""

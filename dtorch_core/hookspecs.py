@@ -2,8 +2,12 @@
 
 Plugins are ordinary pluggy plugins found through the entry-point group ``dtorch``; the builtins
 are registered the same way. Registration hooks receive a registry object and call
-``registry.add(...)``; they are all called once, when the plugin manager is first built, in
-pluggy's order (later-registered plugins first), and their return values are ignored.
+``registry.add(...)``; each is called once, when the plugin manager is first built, through
+``pm.hook.<name>(registry=...)`` (so hook wrappers, ``tryfirst``/``trylast`` and
+``DTORCH_TRACE_PLUGINS`` tracing apply): the builtins first, then installed plugins in
+entry-point order, so a plugin may override a builtin entry with ``replace=True``. Return values
+are ignored. ``dt.init`` resolves the registries once per session and hands them down (runners,
+workers, the session); nothing below the frontend looks plugins up by itself.
 """
 
 from __future__ import annotations
@@ -66,7 +70,11 @@ def dtorch_register_transports(registry) -> None:
 
 @hookspec
 def dtorch_register_runners(registry) -> None:
-    """Add runners: ``registry.add(name, factory)`` with ``factory(world_size, options) -> Runner``.
+    """Add runners: ``registry.add(name, factory)`` with
+    ``factory(world_size, *, device_type, timeout, plugins, **options) -> Runner``.
+
+    ``plugins`` is the session's loaded :class:`dtorch_core.plugins.Plugins` (its
+    ``registry(kind)`` gives the communicators, streams, transports and kernels to use).
 
     The runner named by ``dt.init(runner=...)``, ``DTORCH_RUNNER`` or ``dtorch run --runner`` is
     looked up here.

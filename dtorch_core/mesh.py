@@ -17,7 +17,7 @@ from .errors import PlacementError
 
 @attrs.frozen(cache_hash=True)
 class DeviceMesh:
-    """An N-D grid of device ranks. Build one with :func:`init_device_mesh`."""
+    """An N-D grid of device ranks. Build one with ``dt.init_device_mesh``."""
 
     device_type: str
     shape: tuple[int, ...]
@@ -122,7 +122,8 @@ def _root_cache(view: DeviceMesh) -> DeviceMesh:
     return root
 
 
-def _register_root(mesh: DeviceMesh) -> DeviceMesh:
+def register_root(mesh: DeviceMesh) -> DeviceMesh:
+    """The one root mesh of these devices and dim names (made once, shared by every view)."""
     key = (mesh.device_type, mesh.shape, mesh.ranks, mesh.mesh_dim_names)
     return _ROOTS.setdefault(key, mesh)
 
@@ -137,33 +138,3 @@ def root_coordinate(root: DeviceMesh, rank: int) -> tuple[int, ...] | None:
         coord.append(flat % n)
         flat //= n
     return tuple(reversed(coord))
-
-
-def init_device_mesh(device_type: str, mesh_shape, *, mesh_dim_names=None, ranks=None) -> DeviceMesh:
-    """Create a mesh over the session's devices (ranks ``0..prod(shape)-1`` unless given)."""
-    from .controller.session import current_session
-
-    session = current_session()
-    workers_on = session.runner.device_type
-    if device_type != workers_on:
-        raise PlacementError(
-            f"a {device_type!r} mesh needs workers on {device_type!r}, but this session's run on "
-            f"{workers_on!r}; call dt.init(device_type={device_type!r}) or make the mesh with {workers_on!r}"
-        )
-    mesh_shape = tuple(int(s) for s in mesh_shape)
-    n = math.prod(mesh_shape)
-    ranks = tuple(range(n)) if ranks is None else tuple(int(r) for r in ranks)
-    if len(ranks) != n or len(set(ranks)) != n:
-        raise PlacementError(f"mesh shape {mesh_shape} needs {n} distinct ranks, got {ranks}")
-    if max(ranks) >= session.world_size:
-        raise PlacementError(
-            f"mesh {mesh_shape} needs {n} devices but the session has world_size={session.world_size}; "
-            "call dt.init(world_size=...) with more devices"
-        )
-    if mesh_dim_names is not None:
-        mesh_dim_names = tuple(mesh_dim_names)
-        if len(mesh_dim_names) != len(mesh_shape) or len(set(mesh_dim_names)) != len(mesh_dim_names):
-            raise PlacementError(f"mesh_dim_names {mesh_dim_names} must name each of {len(mesh_shape)} dims once")
-    mesh = _register_root(DeviceMesh(device_type, mesh_shape, ranks, mesh_dim_names))
-    session.define_mesh(mesh)
-    return mesh

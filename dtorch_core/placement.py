@@ -47,8 +47,6 @@ class Partial:
 
 
 Placement = Shard | Replicate | Partial
-REPLICATE = Replicate()
-PARTIAL_SUM = Partial("sum")
 
 
 @attrs.frozen

@@ -7,6 +7,7 @@ Environment switches:
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import os
 import threading
@@ -78,46 +79,63 @@ def _make_registry(kind: str) -> Registry:
 
 
 def build_plugins() -> Plugins:
-    """Load builtins and entry points, then call every registration hook once."""
-    import importlib
+    """Load builtins and entry points, then call every registration hook once.
 
+    Each hook is called through ``pm.hook.<name>(registry=...)``, so pluggy's wrappers, ordering
+    (``tryfirst``/``trylast``) and tracing apply. Plugins are registered so that pluggy (which
+    calls the last registered first) calls the builtins first, then the installed plugins in
+    entry-point order: a plugin that replaces a builtin entry (``replace=True``) comes after it.
+    """
     pm = pluggy.PluginManager("dtorch")
     pm.add_hookspecs(hookspecs)
     disabled = _disabled()
-    for name, module in BUILTIN_PLUGINS:
-        if name not in disabled:
-            pm.register(importlib.import_module(module), name=name)
+    builtin_names = {name for name, _ in BUILTIN_PLUGINS}
+    loaded = []
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in disabled or pm.has_plugin(ep.name):
+        if ep.name in disabled or ep.name in builtin_names or any(ep.name == n for n, _ in loaded):
             continue
         try:
-            plugin = ep.load()
-            pm.register(plugin, name=ep.name)
+            loaded.append((ep.name, ep.load()))
         except Exception as exc:
             raise PluginError(
                 f"plugin {ep.name!r} ({ep.value}) failed to load: {exc!r}; "
                 f"fix or uninstall it, or set DTORCH_DISABLE_PLUGINS={ep.name}"
             ) from exc
+    builtins = [(name, importlib.import_module(module)) for name, module in BUILTIN_PLUGINS if name not in disabled]
+    for name, plugin in reversed(builtins + loaded):
+        pm.register(plugin, name=name)
     trace = os.environ.get("DTORCH_TRACE_PLUGINS", "") not in ("", "0")
     if trace:
         pm.trace.root.setwriter(lambda msg: log.debug("pluggy", msg=msg.rstrip()))
         pm.enable_tracing()
+        pm.add_hookcall_monitoring(
+            lambda hook_name, impls, kwargs: log.debug("plugin hook", hook=hook_name,
+                                                       plugins=[impl.plugin_name for impl in impls]),
+            lambda outcome, hook_name, impls, kwargs: None)
     registries = {}
     for kind, hook_name in REGISTRATION_HOOKS.items():
+        hook = getattr(pm.hook, hook_name)
         registry = _make_registry(kind)
-        for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):
-            registry.current_plugin = impl.plugin_name
-            if trace:
-                log.debug("plugin hook", plugin=impl.plugin_name, hook=hook_name)
-            try:
-                impl.function(registry=registry)
-            except PluginError:
-                raise
-            except Exception as exc:
-                raise PluginError(f"plugin {impl.plugin_name!r} failed in {hook_name}: {exc!r}") from exc
-        registry.current_plugin = "?"
+        registry.impl_owners = {impl.function.__code__: impl.plugin_name for impl in hook.get_hookimpls()}
+        try:
+            hook(registry=registry)
+        except PluginError:
+            raise
+        except Exception as exc:
+            owner = _raising_plugin(exc, registry.impl_owners)
+            raise PluginError(f"plugin {owner!r} failed in {hook_name}: {exc!r}") from exc
         registries[kind] = registry
     return Plugins(pm, registries, disabled)
+
+
+def _raising_plugin(exc: BaseException, impl_owners: dict) -> str:
+    """The plugin whose hook implementation the exception went through (innermost), or "?"."""
+    owner = "?"
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = impl_owners.get(tb.tb_frame.f_code, owner)
+        tb = tb.tb_next
+    return owner
 
 
 _lock = threading.Lock()

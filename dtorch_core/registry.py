@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import attrs
@@ -16,17 +17,29 @@ class Registry:
     kind: str
     entries: dict[str, Any] = attrs.field(factory=dict)
     owners: dict[str, str] = attrs.field(factory=dict)
-    current_plugin: str = "?"
+    # hook implementation code -> plugin name, set by the plugin manager before it calls the hook
+    impl_owners: dict = attrs.field(factory=dict)
 
     def add(self, name: str, obj: Any, *, replace: bool = False) -> None:
         """Register ``obj`` under ``name``; a second registration of a name needs ``replace=True``."""
+        owner = self.calling_plugin()
         if name in self.entries and not replace:
             raise PluginError(
-                f"{self.kind} {name!r} registered twice (by {self.owners[name]} and {self.current_plugin}); "
+                f"{self.kind} {name!r} registered twice (by {self.owners[name]} and {owner}); "
                 "pass replace=True to override on purpose"
             )
         self.entries[name] = obj
-        self.owners[name] = self.current_plugin
+        self.owners[name] = owner
+
+    def calling_plugin(self) -> str:
+        """The plugin whose hook implementation is running (found on the call stack), or "?"."""
+        f = sys._getframe(1)
+        while f is not None:
+            owner = self.impl_owners.get(f.f_code)
+            if owner is not None:
+                return owner
+            f = f.f_back
+        return "?"
 
     def get(self, name: str) -> Any:
         try:

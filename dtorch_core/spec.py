@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import attrs
 import torch
 
@@ -59,3 +62,12 @@ def contiguous_stride(shape) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(n, 1)
     return tuple(reversed(stride))
+
+
+@functools.lru_cache(maxsize=8192)
+def local_shapes(shape: tuple, placements: tuple, mesh_shape: tuple) -> tuple:
+    """The local shape on every rank of a mesh of ``mesh_shape``, in rank (C) order."""
+    return tuple(
+        tuple(length for _, length in shard_region(shape, placements, mesh_shape, coord))
+        for coord in itertools.product(*(range(n) for n in mesh_shape))
+    )

@@ -2,18 +2,51 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
+import attrs
 import torch
 
+from .errors import DTorchError
 from .mesh import DeviceMesh
 from .placement import Partial, Replicate, Shard, normalize_placements
 from .spec import TensorSpec
 
 
 _NO_KWARGS: dict = {}
-_dispatch = None  # set by dtorch_core.planner.dispatch (which imports this module)
 
 
-class _Handle:
+@attrs.frozen
+class TensorMethods:
+    """What a DTensor needs from the layers above it: the dispatcher and the data movement.
+
+    ``dtorch_core`` installs one at import (:func:`install`); this module imports none of them.
+    """
+
+    dispatch: Callable  # (func, args, kwargs) -> result, for every aten op on a DTensor
+    redistribute: Callable  # (x, device_mesh, placements) -> DTensor, differentiable
+    full_tensor: Callable  # (x) -> torch.Tensor, differentiable
+    to_local: Callable  # (x, rank) -> torch.Tensor
+    local_shards: Callable  # (x) -> {rank: torch.Tensor}
+    from_local: Callable  # (local, device_mesh, placements, shape=...) -> DTensor
+
+
+def _not_installed(*args, **kwargs):
+    raise DTorchError("DTensor has no dispatcher: import dtorch_core (it installs one) before using DTensors")
+
+
+_dispatch: Callable = _not_installed
+_methods: TensorMethods | None = None
+
+
+def install(methods: TensorMethods) -> None:
+    """Give DTensor its dispatcher and movement functions (called once, by dtorch_core)."""
+    global _dispatch, _methods
+    _methods = methods
+    _dispatch = methods.dispatch
+
+
+class Handle:
     """Owns a tensor id; tells the session to free it on the workers when the handle dies."""
 
     __slots__ = ("tid", "session", "__weakref__")
@@ -53,7 +86,7 @@ class DTensor(torch.Tensor):
 
     _spec: TensorSpec
     _view: DeviceMesh
-    _handle: _Handle
+    _handle: Handle
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -69,7 +102,7 @@ class DTensor(torch.Tensor):
         )
         r._spec = spec
         r._view = view
-        r._handle = _Handle(tid, session)
+        r._handle = Handle(tid, session)
         return r
 
     @property
@@ -99,27 +132,19 @@ class DTensor(torch.Tensor):
     # -- movement ------------------------------------------------------------------------------
     def redistribute(self, device_mesh: DeviceMesh | None = None, placements=None) -> "DTensor":
         """Return this tensor with new placements (differentiable)."""
-        from .api import _redistribute_autograd
-
-        return _redistribute_autograd(self, device_mesh, placements)
+        return _methods.redistribute(self, device_mesh, placements)
 
     def full_tensor(self) -> torch.Tensor:
         """Gather the global value onto the controller (a sync point, differentiable)."""
-        from .api import _full_tensor_autograd
-
-        return _full_tensor_autograd(self)
+        return _methods.full_tensor(self)
 
     def to_local(self, rank: int | None = None) -> torch.Tensor:
         """The local shard held by ``rank`` (the mesh's first rank if omitted): a sync point."""
-        from .api import local_shard
-
-        return local_shard(self, rank)
+        return _methods.to_local(self, rank)
 
     def local_shards(self) -> dict[int, torch.Tensor]:
         """Every rank's local shard, keyed by rank (a sync point)."""
-        from .api import local_shards
-
-        return local_shards(self)
+        return _methods.local_shards(self)
 
     def __deepcopy__(self, memo):
         out = self.detach().clone()
@@ -128,8 +153,6 @@ class DTensor(torch.Tensor):
         return out
 
     def __reduce_ex__(self, protocol):
-        from .errors import DTorchError
-
         raise DTorchError(
             "a DTensor has no data on the controller to pickle; save t.full_tensor() or use a "
             "sharded checkpoint instead"
@@ -137,9 +160,7 @@ class DTensor(torch.Tensor):
 
     @staticmethod
     def from_local(local, device_mesh: DeviceMesh, placements, *, shape=None) -> "DTensor":
-        from .api import from_local
-
-        return from_local(local, device_mesh, placements, shape=shape)
+        return _methods.from_local(local, device_mesh, placements, shape=shape)
 
 
 def root_placements(mesh: DeviceMesh, placements, ndim: int) -> tuple:

@@ -40,7 +40,6 @@ def runner(_runner_name):
     session = session_module._session
     session.strict = False
     session.fallback_counts.clear()
-    session._warned.clear()
     session.plans.clear()  # plans depend on strict mode
     dt.manual_seed(0)
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from dtorch_core.comm.collectives import combine_one
 from dtorch_core.comm.dist import DistExchange
-from dtorch_core.planner.emit import local_shapes
+from dtorch_core.spec import local_shapes
 from dtorch_core.ir.instructions import Collective, DefineMesh, Fetch, MergedAllReduce, Reply, Stats, WorkerFailure
 from dtorch_core.placement import Partial, Replicate, Shard
 from dtorch_core.runners.process import free_port

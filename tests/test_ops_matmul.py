@@ -76,6 +76,10 @@ def test_contraction_does_not_gather(mesh1d, case):
     _, fn, shapes, pl, expected = case
     ins = [torch.randn(s) for s in shapes]
     check_op(fn, ins, pl, mesh1d, expect_placements=expected)
+    dins = [dt.distribute_tensor(t, mesh1d, p) for t, p in zip(ins, pl)]
+    with dt.debug.comm_mode() as comm:
+        fn(*dins)
+    assert comm.counts() == {}, f"the op itself moved data: {comm.counts_by_op()}"
 
 
 def test_mm_2d_mesh_placements(mesh2d):

@@ -96,6 +96,12 @@ def test_gpt_with_parallel_styles_trains_like_torch(mesh, sequence_parallel):
     assert model.blocks[1].fc.weight.placements == (dt.Shard(0),)
     assert model.embed.weight.placements == (dt.Shard(0),)
     batches = [(torch.randint(0, 23, (3, 7)), torch.randint(0, 23, (3, 7))) for _ in range(3)]
+    with dt.debug.comm_mode() as comm:
+        model(batches[0][0])
+    # the styles move activations at module boundaries (their input/output layouts); the ops
+    # inside the modules never gather a weight or an activation
+    assert {op: c for op, c in comm.counts_by_op().items() if op != "redistribute"} == {}
+    assert comm.counts().get("all_reduce", 0) + comm.counts().get("reduce_scatter", 0) == 1 + 2 * len(ref.blocks)
     expected = train(ref, batches, adamw, lm_loss, 3)
     got = train(model, batches, adamw, lm_loss, 3)
     assert got == pytest.approx(expected, rel=1e-4)

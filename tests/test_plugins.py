@@ -20,6 +20,7 @@ import torch
 
 import dtorch_core as dt
 from dtorch_core import hookspecs
+from dtorch_core.planner.schema import Rule, Strategy
 from dtorch_core.plugins import BUILTIN_PLUGINS, REGISTRATION_HOOKS, get_plugins, reset_plugins
 
 RUNNERS = [r for r in os.environ.get("DTORCH_TEST_RUNNERS", "inline,thread").split(",") if r]
@@ -409,3 +410,67 @@ def test_trace_plugins_logs_every_registration_call(fresh_plugins):
     assert "dtorch_register_ops" in text and "dtorch_register_runners" in text
     for name, _module in BUILTIN_PLUGINS:
         assert name in text, f"the trace does not name plugin {name}"
+
+
+# ---------------------------------------------------------------------------------------------
+# hooks are called through pluggy: wrappers, order, attribution
+# ---------------------------------------------------------------------------------------------
+class _EntryPoint:
+    """What importlib.metadata.entry_points yields, for a plugin object made in the test."""
+
+    def __init__(self, name, plugin):
+        self.name, self.value, self._plugin = name, f"test:{name}", plugin
+
+    def load(self):
+        return self._plugin
+
+
+def _install(monkeypatch, *plugins):
+    import importlib.metadata
+
+    eps = [_EntryPoint(name, plugin) for name, plugin in plugins]
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: eps if group == "dtorch" else [])
+    reset_plugins()
+
+
+def test_a_hook_wrapper_sees_every_registration(fresh_plugins):
+    seen = []
+
+    class Wrapper:
+        @dt.hookimpl(wrapper=True)
+        def dtorch_register_ops(self, registry):
+            seen.append(("before", len(registry.entries)))
+            result = yield
+            seen.append(("after", len(registry.entries)))
+            return result
+
+    _install(fresh_plugins, ("wrapper", Wrapper()))
+    ops = get_plugins().registry("ops")
+    # the wrapper ran around the whole call, the builtins' registrations inside it
+    assert seen[0] == ("before", 0) and seen[1][0] == "after" and seen[1][1] == len(ops.entries) > 0
+
+
+def test_plugins_come_after_builtins_and_own_what_they_replace(fresh_plugins):
+    mine = Rule(lambda call: [Strategy((dt.Replicate(), dt.Replicate()), (dt.Replicate(),))])
+
+    class Override:
+        @dt.hookimpl
+        def dtorch_register_ops(self, registry):
+            registry.add(torch.ops.aten.mm.default, mine, replace=True)
+
+    _install(fresh_plugins, ("override", Override()))
+    ops = get_plugins().registry("ops")
+    assert ops.rule_for(torch.ops.aten.mm.default) is mine
+    assert ops.owners[torch.ops.aten.mm.default] == "override"
+    assert ops.owners[torch.ops.aten.add.Tensor] == "dtorch.ops"
+
+
+def test_a_failing_hook_names_its_plugin(fresh_plugins):
+    class Broken:
+        @dt.hookimpl
+        def dtorch_register_runners(self, registry):
+            raise ValueError("no runner today")
+
+    _install(fresh_plugins, ("broken-runner", Broken()))
+    with pytest.raises(dt.PluginError, match="'broken-runner' failed in dtorch_register_runners.*no runner today"):
+        get_plugins()

@@ -1,8 +1,8 @@
 """Controller side of the checkpoint kernels: one Call per mesh with per-rank arguments.
 
-It goes through the ordinary dispatch path, as ``dispatch.plan_factory`` does: a ``DefinePlan``
-naming the kernel, with the arguments that differ per rank in ``rank_args``, run as a
-``DirectPlan`` whose one output is a small status tensor per rank. Fetching that status waits
+It is an ordinary kernel plan (``planner.plans.kernel_plan``): a ``DefinePlan`` naming the
+kernel, with the arguments that differ per rank in ``rank_args``, run as a ``DirectPlan`` whose
+one output is a small status tensor per rank. Fetching that status waits
 for the kernel on every rank and turns a kernel failure into an error naming the rank and file.
 """
 
@@ -12,12 +12,11 @@ import re
 
 import torch
 
-from ..planner.dispatch import DirectPlan
+from ..controller.session import current_session
 from ..errors import CheckpointIOError, WorkerError
-from ..ir.instructions import DefinePlan
 from ..mesh import DeviceMesh
 from ..placement import Shard
-from ..controller.session import current_session
+from ..planner.plans import kernel_plan
 from ..spec import TensorSpec
 from .kernels import FILE_ERROR_PREFIX
 
@@ -39,26 +38,10 @@ def run_kernel(mesh: DeviceMesh, target: str, inputs: list, per_rank: dict, what
     the rank and the file when the kernel failed on a worker.
     """
     session = current_session()
-    mesh_id = session.mesh_id(mesh)
-    base = per_rank[mesh.ranks[0]]
-    rank_args = {r: v for r, v in per_rank.items() if r != mesh.ranks[0] and v != base}
-    plan_id = session.new_plan_id()
     # not pure: the kernels write files or their inputs, so a captured step must keep them
-    session.define_plan(DefinePlan(plan_id, mesh_id, target, base[0], base[1], rank_args or None, what, False),
-                        pure=False)
-    plan = DirectPlan(
-        plan_id=plan_id,
-        mesh=mesh,
-        moves=tuple(() for _ in inputs),
-        out_specs=(_status_spec(mesh),),
-        out_views=(mesh,),
-        out_alias=(None,),
-        rebuild=lambda outs: outs[0],
-        seeded=False,
-        mesh_id=mesh_id,
-        writes=tuple(range(len(inputs))) if writes_inputs else (),
-        op_name=what,
-    )
+    plan = kernel_plan(session, mesh, target, per_rank, op_name=what, pure=False, n_inputs=len(inputs),
+                       out_specs=(_status_spec(mesh),), out_views=(mesh,), rebuild=lambda outs: outs[0],
+                       writes=tuple(range(len(inputs))) if writes_inputs else ())
     status = plan.run(session, (), {}, list(inputs))
     try:
         shards = session.fetch(status._tid, mesh.ranks)

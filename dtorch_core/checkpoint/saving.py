@@ -8,7 +8,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from ..planner.dispatch import redistribute_now
+from ..planner.moves import issue_redistribute
 from ..errors import CheckpointIOError
 from ..ir.instructions import Slot
 from ..placement import Partial, Replicate
@@ -100,7 +100,7 @@ def _write_mesh(mesh, mesh_index: int, items: list, directory: Path, entries: di
     tensors = []
     for _key, t in items:
         if t._spec.has_partial():
-            t = redistribute_now(t, tuple(Replicate() if isinstance(p, Partial) else p for p in t._spec.placements))
+            t = issue_redistribute(t, tuple(Replicate() if isinstance(p, Partial) else p for p in t._spec.placements))
         tensors.append(t)
     specs = [t._spec for t in tensors]
     writers = assign_writers(specs, mesh, [s.dtype.itemsize for s in specs])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 
@@ -10,8 +11,11 @@ import attrs
 import structlog
 import torch
 
-from ..errors import NotInitializedError, WorkerError
-from ..ir.instructions import DefineMesh, Delete, Fetch, Put, Stats, program_seed
+from ..errors import CaptureError, NotInitializedError, WorkerError
+from ..ir.instructions import DefineMesh, DefineProgram, Delete, DropProgram, Fetch, Put, RunProgram, Stats, program_seed
+from ..ir.program import Program, Recording
+from ..planner.emit import note_comm
+from ..planner.source import format_source, user_source
 
 log = structlog.get_logger(__name__)
 
@@ -44,14 +48,12 @@ class FlushPolicy:
 class Session:
     """Owns the runner and everything the controller tracks between ops."""
 
-    def __init__(self, runner, *, strict=False, track_source=True, timeout=300.0):
-        from ..plugins import get_plugins
-
-        plugins = get_plugins()
+    def __init__(self, runner, *, ops, kernels, strict=False, track_source=True, timeout=300.0):
+        """``ops``/``kernels``: the registries the plugins filled (resolved once, by ``dt.init``)."""
         self.runner = runner
         self.world_size = runner.world_size
-        self.ops = plugins.registry("ops")
-        self.kernels = plugins.registry("kernels")
+        self.ops = ops
+        self.kernels = kernels
         self.strict = strict
         self.track_source = track_source and os.environ.get("DTORCH_TRACK_SOURCE", "1") != "0"
         # How batches leave: a runner whose workers share the controller's GIL (thread) flushes
@@ -70,7 +72,9 @@ class Session:
         self.collective_hints = getattr(runner, "collective_hints", False)
         self.view_writes = 0  # in-place writes through views so far (they invalidate moved copies)
         self.fallback_counts: collections.Counter = collections.Counter()
-        self._warned: set = set()
+        self.comm_counters: list = []  # objects with record(CommEvent): dt.debug.comm_mode, recordings
+        self.closed = False
+        self._recording: Recording | None = None
         self._tid = 0
         self._plan = 0
         self._program = 0
@@ -81,8 +85,6 @@ class Session:
         self._lock = threading.RLock()
         self._seed = 0
         self._seed_counter = 0
-        self._closed = False
-        self._devices: dict = {}
         self._flusher = None
         if flush_interval and runner.name != "inline":
             self._stop = threading.Event()
@@ -99,10 +101,6 @@ class Session:
     def new_plan_id(self) -> int:
         self._plan += 1
         return self._plan
-
-    def new_program_id(self) -> int:
-        self._program += 1
-        return self._program
 
     def define_plan(self, define, *, pure: bool) -> None:
         """Send a plan definition; ``pure`` plans may be dropped from captured steps when unused."""
@@ -124,12 +122,6 @@ class Session:
             mid = self._meshes[mesh] = len(self._meshes) + 1
             self.emit(DefineMesh(mid, mesh.shape, mesh.ranks))
         return mid
-
-    def device_for(self, device_type: str) -> torch.device:
-        dev = self._devices.get(device_type)
-        if dev is None:
-            dev = self._devices[device_type] = torch.device(device_type)
-        return dev
 
     def kernel_is_seeded(self, name: str) -> bool:
         return self.kernels.is_seeded(name)
@@ -172,7 +164,7 @@ class Session:
         return out
 
     def _flush_locked(self) -> None:
-        if self._closed:
+        if self.closed:
             self._pending.clear()
             self._releases.clear()
             return
@@ -200,6 +192,75 @@ class Session:
                 self.flush()
             except Exception as exc:  # reported at the next sync point by the runner
                 log.warning("background flush failed", error=repr(exc))
+
+    # -- recording and programs (dt.compile, dt.capture) ---------------------------------
+    @contextlib.contextmanager
+    def recording(self):
+        """Record what this session emits and frees while the block runs; value reads are noted
+        (their user source lines, in ``Recording.reads``) and so are collectives (``.comm``).
+
+        The methods are shadowed on the instance for the duration, so the eager hot path pays
+        nothing for recording support when none is running.
+        """
+        if self._recording is not None:
+            raise CaptureError("a capture is already running; captures do not nest")
+        rec = Recording(self._tid, self._seed, self._seed_counter)
+        emit, release, release_many, request = self.emit, self.release, self.release_many, self.request
+
+        def rec_emit(ins):
+            rec.instructions.append(ins)
+            emit(ins)
+
+        def rec_release(tid):
+            rec.released.append(tid)
+            release(tid)
+
+        def rec_release_many(tids):
+            rec.released.extend(tids)
+            release_many(tids)
+
+        def rec_request(make, count):
+            rec.reads.append(user_source(2))
+            return request(make, count)
+
+        recorder = _CommRecorder(rec.comm)
+        shadowed = {name: vars(self).get(name) for name in ("emit", "release", "release_many", "request")}
+        self.emit, self.release, self.release_many, self.request = (
+            rec_emit, rec_release, rec_release_many, rec_request)
+        self._recording = rec
+        self.comm_counters.append(recorder)
+        try:
+            yield rec
+        finally:
+            self._recording = None
+            self.comm_counters.remove(recorder)
+            for name, previous in shadowed.items():
+                if previous is None:
+                    vars(self).pop(name, None)
+                else:
+                    setattr(self, name, previous)
+            rec.seeds_drawn = self._seed_counter - rec.seed_counter
+
+    def define_program(self, program: Program) -> int:
+        """Send ``program`` to the workers; its id for :meth:`run_program`."""
+        self._program += 1
+        self.emit(DefineProgram(self._program, program.instructions, program.inputs, program.outputs,
+                                program.fusable))
+        return self._program
+
+    def run_program(self, program_id: int, program: Program, inputs: tuple, outputs: tuple) -> None:
+        """Replay a defined program on ``inputs`` (tensor ids) into fresh ``outputs`` ids, with the
+        seeds an eager run would draw now, and start the workers on it at once."""
+        self.emit(RunProgram(program_id, inputs, outputs, self._seed, self._seed_counter))
+        self._seed_counter += program.seeds
+        for event in program.comm:
+            note_comm(self, event)
+        self.flush()  # a whole step: the workers should start now, not at the next timer tick
+
+    def drop_program(self, program_id: int) -> None:
+        """Free a defined program on the workers (nothing to do once the session has ended)."""
+        if not self.closed:
+            self.emit(DropProgram(program_id))
 
     # -- reads ----------------------------------------------------------------------------
     def put(self, shards: dict, mesh) -> int:
@@ -244,35 +305,34 @@ class Session:
         return [r.value for r in sorted(replies, key=lambda r: r.rank)]
 
     # -- fallback bookkeeping -------------------------------------------------------------
-    def count_fallback(self, name: str) -> None:
+    def count_fallback(self, name: str) -> bool:
+        """Count one replicated run of op ``name``; True the first time (time to warn the user)."""
         self.fallback_counts[name] += 1
-        if name not in self._warned:
-            self._warned.add(name)
-            from ..planner.dispatch import warn_fallback_once
-
-            warn_fallback_once(name)
+        return self.fallback_counts[name] == 1
 
     def close(self) -> None:
-        if self._closed:
+        if self.closed:
             return
         try:
             self.flush()
         except Exception as exc:  # lost workers: shutting down must still succeed
             log.warning("could not flush at shutdown", error=str(exc))
         finally:
-            self._closed = True
+            self.closed = True
             if self._flusher is not None:
                 self._stop.set()
                 self._flusher.join(timeout=5)
             self.runner.shutdown()
 
 
-def format_source(source) -> str | None:
-    if source is None:
-        return None
-    if isinstance(source, tuple):
-        return f"{source[0]}:{source[1]}"
-    return str(source)
+@attrs.frozen
+class _CommRecorder:
+    """Keeps the collectives a recording issued, for its program's replays to report."""
+
+    events: list
+
+    def record(self, event) -> None:
+        self.events.append(event)
 
 
 def timeout_from_env(default: float = 300.0) -> float:

@@ -96,6 +96,15 @@ class MergedAllReduce:
     dtypes: tuple = ()  # per src
 
 
+def merge_hints(per_source_shapes, dtypes) -> tuple[tuple, tuple]:
+    """A MergedAllReduce's ``(shapes, dtypes)`` from per-source hints (each per rank): turned per
+    rank (each per source); no shapes unless every source has them."""
+    dtypes = tuple(dtypes) if all(d is not None for d in dtypes) else ()
+    if not per_source_shapes or any(not s for s in per_source_shapes):
+        return (), dtypes
+    return tuple(zip(*per_source_shapes)), dtypes
+
+
 COLLECTIVE_KINDS = ("alias", "all_gather", "all_reduce", "reduce_scatter", "local_chunk", "to_partial", "all_to_all")
 COMMUNICATING_KINDS = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
 

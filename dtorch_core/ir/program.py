@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import attrs
 
-from ..planner.emit import merge_hints
 from ..errors import CaptureError
-from .instructions import VIRTUAL_BASE, Call, Collective, Delete, MergedAllReduce, Put, program_seed
+from .instructions import VIRTUAL_BASE, Call, Collective, Delete, MergedAllReduce, Put, merge_hints, program_seed
 
 _OUTPUT_BASE = VIRTUAL_BASE + (1 << 40)
 _BODY_TYPES = (Call, Collective, MergedAllReduce, Put, Delete)
@@ -40,6 +39,7 @@ class Recording:
     instructions: list = attrs.field(factory=list)
     released: list = attrs.field(factory=list)
     reads: list = attrs.field(factory=list)  # user source lines of value reads
+    comm: list = attrs.field(factory=list)  # CommEvents issued (what a replay reports to comm counters)
     seeds_drawn: int = 0
 
 
@@ -56,6 +56,7 @@ class Program:
     eliminated: int  # instructions dead-code elimination removed
     merged: int  # all-reduces merged into others
     fusable: tuple = ()  # positions of the calls workers may run inside fused segments
+    comm: tuple = ()  # CommEvents the recording issued, reported again by every replay
 
 
 def reads_of(ins) -> tuple:
@@ -135,7 +136,8 @@ def build_program(rec: Recording, input_tids, output_tids, pure_plans, describe,
     fusable = () if fusable_plan is None else tuple(
         i for i, ins in enumerate(final) if type(ins) is Call and ins.seed is None and fusable_plan(ins.plan_id))
     return Program(tuple(final), tuple(VIRTUAL_BASE + k for k in range(len(input_tids))), tuple(outputs),
-                   seeds, signature, len(body), len(body) - len(kept), len(kept) - len(merged), fusable)
+                   seeds, signature, len(body), len(body) - len(kept), len(kept) - len(merged), fusable,
+                   tuple(rec.comm))
 
 
 def _number_seeds(body, rec):

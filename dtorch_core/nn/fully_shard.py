@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
-from ..planner.dispatch import redistribute_now
+from ..planner.moves import issue_redistribute
 from ..mesh import DeviceMesh
 from ..placement import Replicate, Shard
 from ..tensor import DTensor
@@ -96,7 +96,7 @@ def _shard_parameter(p: torch.Tensor, mesh: DeviceMesh, dim: int) -> nn.Paramete
     placements = list(p._spec.placements)
     placements[mesh.dims_in_root[0]] = shard
     # the old replicated parameter is dropped as soon as the module holds the shard
-    return nn.Parameter(redistribute_now(p.detach(), tuple(placements)), requires_grad=p.requires_grad)
+    return nn.Parameter(issue_redistribute(p.detach(), tuple(placements)), requires_grad=p.requires_grad)
 
 
 @attrs.define
@@ -148,7 +148,7 @@ class _Refill:
             g = ref()
             if g is None:  # autograd did not keep it: nothing to refill
                 continue
-            full = redistribute_now(stored, g._spec.placements)
+            full = issue_redistribute(stored, g._spec.placements)
             call_kernel("dtorch::refill_storage", [g, full], writes=(0,), op_name="fully_shard refill")
 
 

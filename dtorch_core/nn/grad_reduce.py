@@ -10,11 +10,13 @@ optimizer then reduces what is left, one gradient at a time.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import structlog
 import torch.nn as nn
 
-from ..planner.emit import merged_hints
+from ..planner.emit import CommEvent, merged_hints, note_comm
 from ..ir.instructions import MergedAllReduce
 from ..mesh import DeviceMesh
 from ..placement import Partial, Replicate
@@ -59,6 +61,9 @@ class GradientBucket:
             srcs = tuple(g._tid for g in partial)
             shapes, dtypes = merged_hints(session, [g._spec for g in partial])
             session.emit(MergedAllReduce(session.mesh_id(mesh), self.root_dim, op, srcs, tuple(dsts), shapes, dtypes))
+            if session.comm_counters:
+                note_comm(session, CommEvent("all_reduce", "data_parallel gradients",
+                                             sum(math.prod(g.shape) * g.dtype.itemsize for g in partial)))
             del partial
 
 

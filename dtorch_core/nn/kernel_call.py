@@ -1,7 +1,7 @@
 """Run a named worker kernel on the local shards of distributed tensors, in place.
 
 For module-level machinery (``materialize``, ``fully_shard``) that needs workers to do something
-no torch op expresses. The call goes through the dispatch machinery like ``plan_factory``: a
+no torch op expresses. The call is an ordinary kernel plan (``planner.plans.kernel_plan``): a
 ``DefinePlan`` whose target is the kernel (with per-rank arguments where ranks differ) and a
 ``DirectPlan`` that emits one ``Call`` with the tensors' ids as inputs and no outputs.
 """
@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..planner.dispatch import DirectPlan
 from ..errors import MeshMismatchError
-from ..ir.instructions import DefinePlan, Slot
+from ..ir.instructions import Slot
 from ..mesh import root_coordinate
-from ..controller.session import current_session
+from ..planner.plans import kernel_plan
 from ..tensor import DTensor
 
 
@@ -30,10 +29,10 @@ def call_kernel(target: str, inputs: list, *, writes: tuple = (), kwargs: dict |
     depend on the rank. With ``cache`` the plan is kept for the inputs' specs (only for calls
     without ``kwargs``/``rank_kwargs``).
     """
-    session = current_session()
     for x in inputs:
         if type(x) is not DTensor:
             raise TypeError(f"{target}: expected DTensors, got {type(x).__name__}")
+    session = inputs[0]._handle.session
     meshes = {x._spec.mesh for x in inputs}
     if len(meshes) != 1:
         raise MeshMismatchError(f"{target}: the tensors live on {len(meshes)} different meshes; use one mesh")
@@ -46,22 +45,12 @@ def call_kernel(target: str, inputs: list, *, writes: tuple = (), kwargs: dict |
     if plan is None:
         slots = tuple(Slot(i) for i in range(len(inputs)))
         extras = {r: rank_kwargs(r, root_coordinate(mesh, r)) if rank_kwargs is not None else {} for r in mesh.ranks}
-        first = extras[mesh.ranks[0]]
-        # only the rank-dependent part is compared: kwargs may hold tensors
-        rank_args = {r: (slots, {**kwargs, **e}) for r, e in extras.items() if e != first}
-        base = (slots, {**kwargs, **first})
-        plan_id = session.new_plan_id()
-        mesh_id = session.mesh_id(mesh)
-        define = DefinePlan(plan_id, mesh_id, target, base[0], base[1], rank_args or None, op_name or target, False)
         # not pure: the kernel writes its inputs, so a captured step must keep it
-        session.define_plan(define, pure=False)
-        n = len(inputs)
-        plan = DirectPlan(plan_id=plan_id, mesh=mesh, moves=((),) * n,
-                          out_specs=tuple(inputs[i]._spec for i in writes),
-                          out_views=tuple(inputs[i]._view for i in writes), out_alias=tuple(writes),
-                          rebuild=lambda outs: None, seeded=False, mesh_id=mesh_id, writes=tuple(writes),
-                          op_name=op_name or target)
+        plan = kernel_plan(session, mesh, target, {r: (slots, {**kwargs, **e}) for r, e in extras.items()},
+                           op_name=op_name or target, pure=False, n_inputs=len(inputs),
+                           out_specs=tuple(inputs[i]._spec for i in writes),
+                           out_views=tuple(inputs[i]._view for i in writes), out_alias=tuple(writes),
+                           writes=tuple(writes))
         if key is not None:
             session.plans[key] = plan
     plan.run(session, (), {}, list(inputs))
-

@@ -20,7 +20,7 @@ def dim_map_strategies(call, in_to_out: dict, *, partials=LINEAR_PARTIALS, extra
     Other tensor inputs must be Replicate unless ``extra_inputs(d)`` gives their placements for
     a shard of input dim ``d``. Partial placements in ``partials`` pass straight through.
     """
-    n_in, n_out = len(call.inputs), len(call.outputs)
+    n_in = len(call.inputs)
     out = [replicate_all(call)]
     for d, od in in_to_out.items():
         if od is None:
@@ -45,7 +45,7 @@ def pointwise_strategies(call, linear=(), skip_dims=(), partial_ops=LINEAR_PARTI
     must not be sharded (e.g. the softmax dim).
     """
     ref = next((o for o in call.outputs if o is not None), None)
-    n_in, n_out = len(call.inputs), len(call.outputs)
+    n_in = len(call.inputs)
     if ref is None:
         return [replicate_all(call)]
     nd = ref.ndim
@@ -107,10 +107,6 @@ def view_dim_map(in_shape, out_shape) -> dict:
         if pi == pj and in_shape[gi] != 1 and out_shape[gj] != 1:
             mapping[gi] = gj
     return mapping
-
-
-def shards_of(t, d):
-    return Shard(d) if 0 <= d < t.ndim else R
 
 
 def add_all(registry, packet, rule, **kw) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from ..tensor import DTensor
 
 aten = torch.ops.aten
 
@@ -35,8 +36,6 @@ def _element(name: str, overload: str):
 
 def _scalars(value):
     """A ``Tensor scalars`` argument (one value per list element) as Python numbers."""
-    from ..tensor import DTensor
-
     if isinstance(value, DTensor):
         value = value.full_tensor()
     return value.tolist()

@@ -8,6 +8,9 @@ from ..placement import Partial, Replicate, Shard
 from .common import LINEAR_PARTIALS, R, pointwise_strategies, replicate_all
 from .kernels import attention_kernel_name, attention_overloads
 from ..planner.schema import Rule, Strategy
+from ..tensor import DTensor
+from ..planner.factories import factory
+from ..planner.dispatch import dispatch_direct
 
 aten = torch.ops.aten
 PSUM = Partial("sum")
@@ -23,8 +26,6 @@ def softmax_rule(call):
 
 
 def _sharded_along(x, dim) -> bool:
-    from ..tensor import DTensor
-
     return isinstance(x, DTensor) and any(
         isinstance(p, Shard) and p.dim == dim % x.ndim for p in x._spec.placements
     )
@@ -36,8 +37,6 @@ def softmax_decomposition(op):
     log = op is aten._log_softmax.default
 
     def run(x, dim, half_to_float):
-        from ..planner.dispatch import dispatch_direct
-
         if not _sharded_along(x, dim) or half_to_float:
             return dispatch_direct(op, (x, dim, half_to_float), {})
         shifted = aten.sub.Tensor(x, aten.amax.default(x, [dim], True))
@@ -55,8 +54,6 @@ def softmax_backward_decomposition(op):
     log = op is aten._log_softmax_backward_data.default
 
     def run(grad, out, dim, input_dtype):
-        from ..planner.dispatch import dispatch_direct
-
         if not (_sharded_along(grad, dim) or _sharded_along(out, dim)) or grad.dtype != input_dtype:
             return dispatch_direct(op, (grad, out, dim, input_dtype), {})
         if log:  # grad - exp(out) * sum(grad)
@@ -98,7 +95,7 @@ def layer_norm_backward_rule(call):
 
 
 def embedding_rule(call):
-    weight, idx = call.inputs[0], call.inputs[1]
+    idx = call.inputs[1]
     out = [replicate_all(call)]
     for d in range(idx.ndim):
         out.append(Strategy((R, Shard(d)), (Shard(d),)))
@@ -231,9 +228,6 @@ def nll_loss_forward_decomposition(op):
     (exact for uneven shards, unlike a mean of per-shard means)."""
 
     def decomposition(x, target, weight, reduction, ignore_index):
-        from ..planner.dispatch import dispatch_direct
-        from ..tensor import DTensor
-
         batch_dims = _nll_batch_dims(x)
         sharded = isinstance(x, DTensor) and any(
             isinstance(p, Shard) and p.dim in batch_dims for p in x._spec.placements
@@ -256,13 +250,11 @@ def _class_sharded(x) -> bool:
 def _class_one_hot(x, target, ignore_index):
     """[N, C] weights-to-be: 1 where the class is the target (and the target is not ignored),
     laid out like ``x`` along the class dim, so nothing of ``x`` is gathered."""
-    from ..api import arange
-
     classes = x.shape[1]
     placements = tuple(
         Shard(0) if isinstance(p, Shard) and p.dim == 1 else Replicate() for p in x._spec.placements
     )
-    iota = arange(classes, device_mesh=x._spec.mesh, placements=list(placements))
+    iota = factory(x._handle.session, "arange", (classes,), x._spec.mesh, list(placements), None, fill=(0, 1))
     hit = aten.eq.Tensor(aten.unsqueeze.default(iota, 0), aten.unsqueeze.default(target, 1))
     keep = aten.ne.Scalar(target, ignore_index)
     return aten.mul.Tensor(aten._to_copy.default(hit, dtype=x.dtype),
@@ -287,8 +279,6 @@ def _class_sharded_nll(x, target, weight, reduction, ignore_index):
 
 def nll_loss_backward_decomposition(grad_output, x, target, weight, reduction, ignore_index, total_weight):
     """The gradient for class-sharded log-probs: -weight(target) at the target, scaled."""
-    from ..planner.dispatch import dispatch_direct
-
     if not _class_sharded(x):
         return dispatch_direct(aten.nll_loss_backward.default,
                                (grad_output, x, target, weight, reduction, ignore_index, total_weight), {})

@@ -7,6 +7,8 @@ import torch
 from ..placement import Partial, Shard
 from .common import R, add_all, replicate_all
 from ..planner.schema import Rule, Strategy
+from ..tensor import DTensor
+from ..planner.dispatch import dispatch_direct
 
 aten = torch.ops.aten
 
@@ -74,9 +76,6 @@ def mean_localize(local):
 
 def norm_decomposition(x, ord=2, dim=None, keepdim=False, *, dtype=None):
     """Vector norms over sharded or Partial inputs through sums/maxima that reduce exactly."""
-    from ..planner.dispatch import dispatch_direct
-    from ..tensor import DTensor
-
     spec = x._spec if isinstance(x, DTensor) else None
     red = _reduced_dims(x.ndim, dim)
     needs_split = spec is not None and (

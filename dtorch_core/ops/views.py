@@ -8,6 +8,7 @@ import torch
 
 from .common import ALL_PARTIALS, LINEAR_PARTIALS, add_all, dim_map_strategies, view_dim_map
 from ..planner.schema import Rule
+from ..planner.dispatch import dispatch_direct
 
 aten = torch.ops.aten
 
@@ -59,7 +60,7 @@ def transpose_rule(call):
 
 
 def squeeze_rule(call):
-    x, out = call.inputs[0], call.outputs[0]
+    x = call.inputs[0]
     nd = x.ndim
     if len(call.args) > 1:
         dims = call.args[1] if isinstance(call.args[1], (list, tuple)) else [call.args[1]]
@@ -142,8 +143,6 @@ def inplace_view_decomposition(inplace, out_of_place):
 def squeeze_decomposition(x, dim=None):
     """Squeeze exactly the dims of global size 1: on an uneven shard a local dim can have size 1
     where the global one does not, and a plain ``squeeze()`` would drop it there."""
-    from ..planner.dispatch import dispatch_direct
-
     nd = x.ndim
     if dim is None:
         dims = range(nd)

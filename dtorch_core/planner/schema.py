@@ -72,7 +72,7 @@ class OpRegistry(Registry):
     def add(self, op, rule=None, *, localize=None, kernel=None, replace: bool = False) -> None:  # noqa: D417
         """Register ``rule`` (a strategies function or a :class:`Rule`) for ``op``."""
         if not isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-            raise PluginError(f"{self.current_plugin}: ops registry takes aten/custom ops, got {op!r}")
+            raise PluginError(f"{self.calling_plugin()}: ops registry takes aten/custom ops, got {op!r}")
         if not isinstance(rule, Rule):
             rule = Rule(rule, localize, kernel)
         super().add(op, rule, replace=replace)

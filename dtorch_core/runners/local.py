@@ -7,7 +7,6 @@ import queue
 import threading
 
 import structlog
-import torch
 
 from ..comm.inprocess import LockstepExchange
 from ..comm.kinds import choose_communicator
@@ -30,9 +29,10 @@ class Runner:
     name = "?"
     collective_hints = False  # whether Collectives must carry every rank's shapes (planner/emit.py)
 
-    def __init__(self, world_size: int, device_type: str = "cpu"):
+    def __init__(self, world_size: int, device_type: str, plugins):
         self.world_size = world_size
         self.device_type = device_type
+        self.plugins = plugins  # the session's loaded plugins (dt.init resolves them once)
         self._replies: dict = {}
         self._cond = threading.Condition()
         self._dead: dict = {}
@@ -60,12 +60,10 @@ class Runner:
             return self._replies.pop(request_id)
 
     def _make_workers(self, exchange) -> list[Worker]:
-        from ..plugins import get_plugins
-
-        kernels = get_plugins().registry("kernels")
+        kernels = self.plugins.registry("kernels")
         workers = []
         for r in range(self.world_size):
-            streams = make_streams(self.device_type, r)
+            streams = make_streams(self.plugins.registry("streams"), self.device_type, r)
             workers.append(Worker(r, streams.device, kernels, exchange, self._reply, streams))
         return workers
 
@@ -78,7 +76,7 @@ class InlineRunner(Runner):
 
     name = "inline"
 
-    def __init__(self, world_size: int, device_type: str = "cpu", **_options):
+    def __init__(self, world_size: int, device_type: str = "cpu", *, plugins, **_options):
         if device_type != "cpu":
             # every rank runs in this one thread, one instruction at a time: there is no place
             # for per-device streams, and it is the CPU reference anyway
@@ -86,7 +84,7 @@ class InlineRunner(Runner):
                 f"the inline runner runs CPU workers only; use runner='thread' or 'process' for "
                 f"device_type={device_type!r}"
             )
-        super().__init__(world_size, device_type)
+        super().__init__(world_size, device_type, plugins)
         self.workers = self._make_workers(LockstepExchange())
 
     def submit(self, batch) -> None:
@@ -123,12 +121,10 @@ class ThreadRunner(Runner):
     flush_policy = FlushPolicy(batch_size=16384, interval=0.001, when_idle=True)
 
     def __init__(self, world_size: int, device_type: str = "cpu", timeout: float = 300.0,
-                 communicator: str | None = None, **_options):
-        from ..plugins import get_plugins
-
-        super().__init__(world_size, device_type)
+                 communicator: str | None = None, *, plugins, **_options):
+        super().__init__(world_size, device_type, plugins)
         self.turn = threading.Lock()
-        _, comm = choose_communicator(get_plugins().registry("communicators"), "thread", device_type, communicator)
+        _, comm = choose_communicator(plugins.registry("communicators"), "thread", device_type, communicator)
         self.exchange = comm.create(timeout=timeout, turn=self.turn)
         self.workers = self._make_workers(self.exchange)
         self.queues = [queue.SimpleQueue() for _ in range(world_size)]

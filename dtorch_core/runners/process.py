@@ -22,9 +22,12 @@ import weakref
 
 import structlog
 
+from ..comm.kinds import choose_communicator
 from ..errors import WorkerError, WorkerLostError
 from ..ir import wire
 from ..ir.instructions import DefinePlan, Put, Reply
+from ..transport.channel import active_backend
+from ..worker.streams import streams_class
 from .local import Runner
 from ..controller.session import FlushPolicy
 
@@ -66,21 +69,15 @@ class ProcessRunner(Runner):
 
     def __init__(self, world_size: int, device_type: str = "cpu", timeout: float = 300.0,
                  startup_timeout: float | None = None, communicator: str | None = None,
-                 dist_backend: str | None = None, **_options):
-        from ..comm.kinds import choose_communicator
-        from ..plugins import get_plugins
-        from ..transport.channel import active_backend
-        from ..worker.streams import streams_class
-
-        plugins = get_plugins()
+                 dist_backend: str | None = None, *, plugins, **_options):
         create_channel = plugins.registry("transports").get("local")
         # gloo for CPU workers; a device plugin (dtorch_nccl for cuda) registers the one for its type
         communicator, chosen = choose_communicator(plugins.registry("communicators"), "process", device_type,
                                                    communicator)
         dist_backend = dist_backend or chosen.dist_backend
-        streams_class(device_type).device_for(device_type, 0)  # a missing device raises here, not in a worker
+        streams_class(plugins.registry("streams"), device_type).device_for(device_type, 0)  # a missing device raises here, not in a worker
 
-        super().__init__(world_size, device_type)
+        super().__init__(world_size, device_type, plugins)
         self.timeout = timeout
         self.backend = active_backend()
         self._closing = False

@@ -77,11 +77,8 @@ class WorkerStreams:
         return {}
 
 
-def streams_class(device_type: str) -> type[WorkerStreams]:
-    """The streams registered for ``device_type``; raises DeviceError when no plugin has any."""
-    from ..plugins import get_plugins
-
-    registry = get_plugins().registry("streams")
+def streams_class(registry, device_type: str) -> type[WorkerStreams]:
+    """The streams ``registry`` holds for ``device_type``; raises DeviceError when no plugin has any."""
     if device_type not in registry:
         raise DeviceError(
             f"no plugin supports device type {device_type!r} (streams are registered for "
@@ -90,7 +87,7 @@ def streams_class(device_type: str) -> type[WorkerStreams]:
     return registry.get(device_type)
 
 
-def make_streams(device_type: str, rank: int) -> WorkerStreams:
-    """The streams of worker ``rank`` for ``device_type``, on the device the registry picks."""
-    cls = streams_class(device_type)
+def make_streams(registry, device_type: str, rank: int) -> WorkerStreams:
+    """The streams of worker ``rank`` for ``device_type``, on the device the registry's class picks."""
+    cls = streams_class(registry, device_type)
     return cls(cls.device_for(device_type, rank))

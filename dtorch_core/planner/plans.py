@@ -1,0 +1,198 @@
+"""Plans: what the dispatcher stores per cache key and runs on every call with that key.
+
+A :class:`DirectPlan` redistributes the inputs, emits one ``Call`` and wraps fresh output
+handles; a :class:`FunctionPlan` runs Python on the controller (decompositions, fallbacks,
+reads). :func:`kernel_plan` is the one way to define a worker call: the ``DefinePlan`` with the
+arguments that differ per rank, and the ``DirectPlan`` that runs it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import attrs
+
+from ..errors import OpError
+from ..ir.instructions import Call, DefinePlan
+from ..mesh import DeviceMesh
+from ..tensor import DTensor, Handle
+from .emit import emit_steps
+from .source import user_source
+from .trees import same_arguments
+
+
+@attrs.define
+class DirectPlan:
+    """Redistribute inputs, run one local call per rank, wrap the outputs."""
+
+    plan_id: int
+    mesh: DeviceMesh
+    moves: tuple  # per input: tuple of redistribute Steps
+    out_specs: tuple  # per flat output: TensorSpec or None
+    out_views: tuple
+    out_alias: tuple  # per flat output: input index it returns (in-place), or None
+    rebuild: Callable
+    seeded: bool
+    mesh_id: int
+
+    simple: bool = False  # no moves, no plain inputs, no aliases, no None outputs
+    rebind: tuple = ()  # (input index, spec): written inputs that had to move; their handles follow
+    writes: tuple = ()  # input indices the op writes
+    view_kind: int = 0  # 0: not a view op; 1: outputs alias input 0; 2: they alias a moved copy
+    op_name: str = ""
+
+    def run(self, session, args, kwargs, inputs):
+        if self.simple:
+            return self._run_simple(session, inputs)
+        for i in self.writes:
+            x = inputs[i]
+            self._check_writable(x, i in dict(self.rebind))
+            x.__dict__.pop("_moved", None)  # its redistributed copies are stale now
+            if getattr(x, "_view_state", 0):
+                session.view_writes += 1  # a base it views may have copies too
+        tids = []
+        temps = []
+        for i, (x, steps) in enumerate(zip(inputs, self.moves)):
+            if type(x) is DTensor:
+                tid = x._tid
+            else:
+                tid = session.put_replicated(x, self.mesh)
+                temps.append(tid)
+            if steps and steps[0].kind in _REDUCING and type(x) is DTensor and i not in self.writes \
+                    and not getattr(x, "_view_state", 0):
+                tid = _moved_copy(session, x, tid, steps, self.mesh_id, self.op_name)
+                steps = ()
+            if steps:
+                made = emit_steps(session, self.mesh_id, tid, steps, x._spec if type(x) is DTensor else None,
+                                  self.op_name)
+                temps.extend(made)
+                tid = made[-1]
+            tids.append(tid)
+        for i, spec in self.rebind:
+            # the op writes the redistributed copy; the user's handle now names that copy
+            x = inputs[i]
+            temps.remove(tids[i])
+            x._handle = Handle(tids[i], session)
+            x._spec = spec
+        outs = []
+        out_tids = []
+        for spec, view, alias in zip(self.out_specs, self.out_views, self.out_alias):
+            if alias is not None:
+                outs.append(inputs[alias])
+                out_tids.append(tids[alias])
+            elif spec is None:
+                outs.append(None)
+                out_tids.append(-1)
+            else:
+                tid = session.new_tid()
+                outs.append(DTensor._make(spec, view, tid, session))
+                out_tids.append(tid)
+        if self.view_kind:
+            for o in outs:
+                if o is not None:
+                    o._view_state = self.view_kind
+        session.emit(
+            Call(
+                self.plan_id,
+                tuple(tids),
+                tuple(out_tids),
+                user_source() if session.track_source else None,
+                session.next_seed() if self.seeded else None,
+            )
+        )
+        if temps:
+            session.release_many(temps)
+        return self.rebuild(outs)
+
+    def _check_writable(self, x, moves: bool) -> None:
+        # a write must reach every tensor that shares the written memory: refuse the cases where
+        # the view is really a copy (its input had to be redistributed), or where the written
+        # view itself must be redistributed
+        state = getattr(x, "_view_state", 0)
+        if state == 2 or (state == 1 and moves):
+            why = "was made from a redistributed copy of its base" if state == 2 else (
+                "would have to be redistributed first")
+            raise OpError(
+                f"{self.op_name} writes in place to a view that {why}, so the write would not reach "
+                f"the tensor it views ({tuple(x.shape)} {list(x.placements)}); clone() the view to "
+                "write to a copy, or redistribute the base so the view needs no data movement"
+            )
+
+    def _run_simple(self, session, inputs):
+        outs = []
+        out_tids = []
+        new_tid = session.new_tid
+        make = DTensor._make
+        for spec, view in zip(self.out_specs, self.out_views):
+            tid = new_tid()
+            outs.append(make(spec, view, tid, session))
+            out_tids.append(tid)
+        session.emit(
+            Call(
+                self.plan_id,
+                tuple([x._handle.tid for x in inputs]),
+                tuple(out_tids),
+                user_source() if session.track_source else None,
+                session.next_seed() if self.seeded else None,
+            )
+        )
+        return self.rebuild(outs)
+
+
+# Reductions of a Partial tensor are kept for reuse; gathers are not (a kept gathered copy of a
+# sharded activation would cost the memory sharding saves).
+_REDUCING = frozenset({"all_reduce", "reduce_scatter"})
+
+
+def _moved_copy(session, x: DTensor, tid: int, steps, mesh_id: int, op_name: str) -> int:
+    """The id of ``x`` redistributed by ``steps``, made once and reused while ``x`` is unchanged.
+
+    An optimizer reads each (Partial) gradient several times; without this every read would
+    all-reduce it again. The copy lives as long as ``x`` (or until ``x`` or any view is written).
+    """
+    moved = x.__dict__.get("_moved")
+    if moved is None:
+        moved = x._moved = {}
+    key = (tid, steps)
+    hit = moved.get(key)
+    if hit is not None and hit[1] == session.view_writes:
+        return hit[0].tid
+    made = emit_steps(session, mesh_id, tid, steps, x._spec, op_name)
+    src = made[-1]
+    session.release_many(made[:-1])
+    moved[key] = (Handle(src, session), session.view_writes)
+    return src
+
+
+@attrs.define
+class FunctionPlan:
+    """Run a Python function on the controller (decompositions, fallbacks, reads)."""
+
+    fn: Callable
+
+    def run(self, session, args, kwargs, inputs):
+        return self.fn(*args, **kwargs)
+
+
+def kernel_plan(session, mesh: DeviceMesh, target: str, per_rank: dict, *, op_name: str, pure: bool,
+                seeded: bool = False, moves: tuple | None = None, n_inputs: int = 0, out_specs: tuple = (),
+                out_views: tuple = (), out_alias: tuple | None = None, rebuild: Callable = lambda outs: None,
+                writes: tuple = (), **plan_fields) -> DirectPlan:
+    """Define worker call ``target`` on ``mesh`` (a root mesh) and return the plan that runs it.
+
+    ``per_rank[rank] = (args, kwargs)`` for every rank of the mesh: the first rank's arguments
+    are sent once, the others only where they differ (compared with :func:`same_arguments`).
+    ``pure``: the call writes only its fresh outputs, so a captured step may drop it when they
+    are unused. The other arguments are :class:`DirectPlan`'s fields.
+    """
+    first = mesh.ranks[0]
+    base = per_rank[first]
+    rank_args = {r: v for r, v in per_rank.items() if r != first and not same_arguments(v, base)}
+    plan_id = session.new_plan_id()
+    mesh_id = session.mesh_id(mesh)
+    session.define_plan(
+        DefinePlan(plan_id, mesh_id, target, base[0], base[1], rank_args or None, op_name, seeded), pure=pure)
+    return DirectPlan(
+        plan_id, mesh, moves if moves is not None else ((),) * n_inputs, tuple(out_specs), tuple(out_views),
+        tuple(out_alias) if out_alias is not None else (None,) * len(out_specs), rebuild, seeded, mesh_id,
+        writes=tuple(writes), op_name=op_name, **plan_fields)
