@@ -6,6 +6,8 @@ import threading
 
 import attrs
 
+from .exchange import PENDING
+
 
 @attrs.define
 class _Slot:
@@ -83,8 +85,6 @@ class LockstepExchange:
     _slots: dict = attrs.field(factory=dict)
 
     def exchange(self, key, index: int, size: int, value, compute):
-        from ..worker.loop import PENDING
-
         slot = self._slots.get(key)
         if slot is None:
             slot = self._slots[key] = _Slot([None] * size)

@@ -4,20 +4,18 @@ It keeps a TensorStore (tensor id -> local tensor, or a WorkerFailure that recor
 tensor is missing). A failing kernel marks its outputs failed and the worker keeps serving; the
 failure travels with the data (every op that uses a failed tensor fails the same way) and is
 reported when the controller reads an affected tensor.
+
+Collective instructions are in ``collectives.py``, programs (define, expand a replay) in
+``programs.py``: :class:`Worker` takes their methods from the mixins there.
 """
 
 from __future__ import annotations
-
-import functools
-import math
 
 import attrs
 import structlog
 import torch
 
-from ..comm.collectives import combine_all, combine_one, local_step
 from ..ir.instructions import (
-    COMMUNICATING_KINDS,
     Call,
     Collective,
     DefineMesh,
@@ -34,15 +32,15 @@ from ..ir.instructions import (
     Stats,
     WorkerFailure,
     fill_slots,
-    program_seed,
 )
 from ..mesh import DeviceMesh, root_coordinate
+from .collectives import CollectiveStep, WorkerCollectives  # noqa: F401  (CollectiveStep: still importable from here)
 from .graphs import replay_graphed
-from .fused import FusedSegment, build_graph, compile_segment, split, unalias
+from .fused import FusedSegment, build_graph, compile_segment, unalias
+from .programs import BindInputs, NameOutputs, WorkerPrograms
 from .streams import WorkerStreams
 
 log = structlog.get_logger(__name__)
-PENDING = object()
 
 
 @attrs.frozen
@@ -60,30 +58,6 @@ class LocalPlan:
     op_name: str
     seeded: bool
     overload: object = None  # the OpOverload behind ``fn`` when it is a plain op (fused segments trace it)
-
-
-@attrs.frozen
-class BindInputs:
-    """Worker-local step of a replay: the program's input ids name the caller's tensors."""
-
-    pairs: tuple  # (program input id, tensor id)
-
-
-@attrs.frozen
-class NameOutputs:
-    """Worker-local step of a replay: the caller's fresh ids take the program's outputs."""
-
-    pairs: tuple  # (program output id, fresh tensor id, move: the program's id is dropped)
-    drop: tuple  # program input ids to forget
-
-
-@attrs.define
-class LoadedProgram:
-    instructions: list
-    seeded: tuple  # positions of seeded Calls (their ``seed`` is the index among them)
-    inputs: tuple
-    outputs: frozenset  # the program's own output ids (moved to the fresh ids after a replay)
-    output_ids: tuple
 
 
 def on_device(x, device: torch.device):
@@ -122,37 +96,7 @@ def _has_slot(x) -> bool:
     return False
 
 
-@attrs.frozen
-class CollectiveStep:
-    """Every member's results of ``ins`` from all contributions (a failed one fails them all).
-
-    The instruction travels with it: communicators between processes run it natively instead
-    (comm/dist.py)."""
-
-    ins: Collective
-    rank: int
-
-    def __call__(self, values: list) -> list:
-        for v in values:
-            if type(v) is WorkerFailure:
-                return [v] * len(values)
-        ins = self.ins
-        try:
-            return combine_all(ins.kind, values, ins.dim, ins.reduce_op, ins.dim2)
-        except Exception as exc:
-            failure = WorkerFailure(self.rank, f"collective {ins.kind}", None, f"{type(exc).__name__}: {exc}")
-            return [failure] * len(values)
-
-    def one(self, values: list, index: int):
-        """Member ``index``'s result alone (communicators where each member computes its own)."""
-        ins = self.ins
-        try:
-            return combine_one(ins.kind, values, ins.dim, ins.reduce_op, ins.dim2, index)
-        except Exception as exc:
-            return WorkerFailure(self.rank, f"collective {ins.kind}", None, f"{type(exc).__name__}: {exc}")
-
-
-class Worker:
+class Worker(WorkerCollectives, WorkerPrograms):
     def __init__(self, rank: int, device: torch.device, kernels, exchange, reply, streams=None):
         self.rank = rank
         self.device = device
@@ -288,36 +232,6 @@ class Worker:
 
         self.plans[ins.plan_id] = LocalPlan(fn, _binder(args, kwargs), ins.op_name, ins.seeded, overload)
 
-    def _define_program(self, ins: DefineProgram) -> None:
-        body = list(ins.instructions)
-        if ins.fusable:
-            # the same segments on every rank (they depend on the program only): the inline
-            # runner steps all ranks through a replay together
-            body = split(body, ins.fusable, ins.outputs)
-            self.fused_segments += sum(type(x) is FusedSegment for x in body)
-        seeded = tuple(i for i, x in enumerate(body) if type(x) is Call and x.seed is not None)
-        self.programs[ins.program_id] = LoadedProgram(body, seeded, tuple(ins.inputs), frozenset(ins.outputs),
-                                                      tuple(ins.outputs))
-
-    def expand_program(self, run: RunProgram) -> list:
-        """The steps of one replay: bind inputs, the body (fresh seeds), name outputs."""
-        program = self.programs.get(run.program_id)
-        if program is None:
-            self._fail(run.outputs, WorkerFailure(self.rank, "replay", None,
-                                                  f"program {run.program_id} is not defined on this worker"))
-            return []
-        body = program.instructions
-        if program.seeded:
-            body = body.copy()
-            for i in program.seeded:
-                call = body[i]
-                body[i] = attrs.evolve(call, seed=program_seed(run.seed, run.seed_counter + call.seed + 1))
-        bind = BindInputs(tuple(zip(program.inputs, run.inputs)))
-        name = NameOutputs(
-            tuple((pid, tid, pid in program.outputs) for pid, tid in zip(program.output_ids, run.outputs)),
-            program.inputs,
-        )
-        return [bind, *body, name]
 
     # -- execution ------------------------------------------------------------------------
     def _lookup(self, tid):
@@ -406,86 +320,6 @@ class Worker:
         for tid in outputs:
             if tid >= 0:
                 self.store[tid] = failure
-
-    def _collective(self, ins: Collective) -> None:
-        view = self.meshes.get(ins.mesh_id)
-        if view is None:
-            return
-        x = self._lookup(ins.src)
-        gi, index, size = view.groups[ins.mesh_dim]
-        if size == 1 and ins.kind in COMMUNICATING_KINDS:
-            # a group of one: every communicating kind returns the contribution (as a new tensor)
-            if self.streams.outstanding and type(x) is not WorkerFailure:
-                self.streams.join_reads((x,))
-            self.store[ins.dst] = x if type(x) is WorkerFailure else x.clone()
-            return
-        if ins.kind not in COMMUNICATING_KINDS:
-            if type(x) is WorkerFailure:
-                self.store[ins.dst] = x
-                return
-            if self.streams.outstanding:
-                self.streams.join_reads((x,))
-            self.store[ins.dst] = local_step(ins.kind, x, index, size, ins.dim, ins.reduce_op)
-            return
-        self._communicate(ins, gi, index, size, x, functools.partial(self.store.__setitem__, ins.dst))
-
-    def _communicate(self, ins, gi: int, index: int, size: int, x, done) -> None:
-        """Run ``ins`` (a communicating step) with contribution ``x``; ``done(result)`` stores it
-        now, or once the peers have contributed (lockstep runners)."""
-        group_key = (ins.mesh_id, ins.mesh_dim, gi)
-        seq = self.seq.get(group_key, 0)
-        self.seq[group_key] = seq + 1
-        key = group_key + (seq,)
-        compute = CollectiveStep(ins, self.rank)
-        result = self.streams.communicate(functools.partial(self.exchange.exchange, key, index, size, x, compute), x)
-        if result is PENDING:
-            self.pending.append((key, index, compute, done))
-        else:
-            done(result)
-
-    def _merged_all_reduce(self, ins: MergedAllReduce) -> None:
-        view = self.meshes.get(ins.mesh_id)
-        if view is None:
-            return
-        gi, index, size = view.groups[ins.mesh_dim]
-        values = [self._lookup(tid) for tid in ins.srcs]
-        # one exchange per dtype, in first-appearance order: the same on every rank, also on one
-        # whose sources failed (the instruction names the dtypes)
-        dtypes = ins.dtypes or [getattr(v, "dtype", None) for v in values]
-        by_dtype: dict = {}
-        for i, dtype in enumerate(dtypes):
-            by_dtype.setdefault(dtype, []).append(i)
-        for dtype, members in by_dtype.items():
-            failure = next((values[i] for i in members if type(values[i]) is WorkerFailure), None)
-            if self.streams.outstanding and failure is None:
-                self.streams.join_reads(tuple(values[i] for i in members))
-            packed = failure or torch.cat([values[i].reshape(-1) for i in members])
-            shapes = tuple((sum(math.prod(per_rank[i]) for i in members),) for per_rank in ins.shapes)
-            step = Collective("all_reduce", ins.mesh_id, ins.mesh_dim, -1, -1, 0, ins.reduce_op, 0, shapes, dtype)
-            unpack = functools.partial(self._unpack, [ins.dsts[i] for i in members], [values[i] for i in members])
-            if size == 1:  # a group of one: the (new) packed tensor is the result
-                unpack(packed)
-                continue
-            self._communicate(step, gi, index, size, packed, unpack)
-
-    def _unpack(self, dsts, values, result) -> None:
-        if type(result) is WorkerFailure:
-            for tid in dsts:
-                self.store[tid] = result
-            return
-        if self.streams.outstanding:
-            self.streams.join_reads((result,))  # the pieces are views: order compute after the whole
-        offset = 0
-        for tid, v in zip(dsts, values):
-            n = v.numel()
-            self.store[tid] = result[offset:offset + n].view(v.shape)
-            offset += n
-
-    def finish_pending(self) -> None:
-        """Complete collectives whose peers have all contributed (lockstep runners)."""
-        pending, self.pending = self.pending, []
-        for key, index, compute, done in pending:
-            done(self.exchange.collect(key, index, compute))
 
     # -- statistics -----------------------------------------------------------------------
     def memory_stats(self) -> dict:
