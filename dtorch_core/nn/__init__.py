@@ -3,7 +3,7 @@ sharded parameters, and initialisation of meta-built models on the workers (``ma
 
 from .data_parallel import data_parallel
 from .fully_shard import fully_shard
-from .init_trace import meta_init
+from .init_recording import meta_init
 from .loss import loss_parallel
 from .materialize import materialize
 from .parallelize import parallelize_module

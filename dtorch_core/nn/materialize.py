@@ -20,7 +20,8 @@ from ..errors import MaterializeError, PlacementError
 from ..mesh import DeviceMesh
 from ..placement import Partial
 from ..tensor import DTensor
-from .init_trace import InitTrace, recording, trace_of
+from .init_recording import recording
+from .init_trace import InitTrace, trace_of
 from .kernel_call import call_kernel
 from .parallelize import parallelize_module, replicate_rest
 
