@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from .channel import BACKEND_PIPE, Channel, ChannelClosedError, ChannelTimeoutError, Role
+from .base import BACKEND_PIPE, Channel, ChannelClosedError, ChannelTimeoutError, Role
 
 _HEADER = struct.Struct("<Q")
 _HEADER_SIZE = _HEADER.size

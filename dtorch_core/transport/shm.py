@@ -7,8 +7,8 @@ described at the top of ``native/shm_channel.cpp``.
 
 from __future__ import annotations
 
-from .. import _native
-from .channel import (
+from dtorch_core import _native
+from .base import (
     BACKEND_NATIVE,
     DEFAULT_CAPACITY,
     DEFAULT_SPIN_US,
