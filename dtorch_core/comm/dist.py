@@ -17,9 +17,9 @@ of the expected shape, so its peers never wait for it. On CPU a flag byte behind
 tells every member, and the step fails for all of them (as on the in-process runners). A native
 collective carries no flag (reading one would wait for the device): the failed member keeps its
 failure as ``poisoned`` and every later Fetch or Stats reply carries it (the controller asks every
-rank, see ``Session.fetch``), since its peers went on with zeros in its place. Instructions without shapes
-(made by an older controller or by hand) take the slow path: a header all-gather (failed flag,
-dtype, shape) on the CPU first, then the padded payloads, which fails the step for every member.
+rank, see ``Session.fetch``), since its peers went on with zeros in its place. Every
+communicating instruction carries the shapes: the process runner sets ``collective_hints``, and
+wire messages of older controllers (without shapes) are refused by the version check.
 """
 
 from __future__ import annotations
@@ -35,12 +35,6 @@ from ..ir.instructions import WorkerFailure
 from ..mesh import DeviceMesh
 from ..placement import chunk_extent
 
-MAX_NDIM = 16
-_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-]
-_CODE = {d: i for i, d in enumerate(_DTYPES)}
 _NATIVE_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                             torch.int8, torch.uint8})
 # torch 2.13 renamed these (the old names warn); 2.11 has only the old ones
@@ -80,9 +74,7 @@ class DistExchange:
         if size == 1:
             return compute([value])[0]
         group, members = self.groups[key[:3]]
-        ins = getattr(compute, "ins", None)
-        if ins is None or not ins.shapes:
-            return self._with_headers(group, members, index, value, compute)
+        ins = compute.ins
         where = self.positions[ins.mesh_id]
         shapes = [tuple(ins.shapes[where[m]]) for m in members]
         failure = value if type(value) is WorkerFailure else None
@@ -108,26 +100,6 @@ class DistExchange:
                 failure.rank, failure.op, failure.source,
                 f"{failure.message} (the peers of rank {self.rank} then went on with zeros in place of its {kind} "
                 "contribution, so values computed since are not reliable: restart the session)")
-
-    def _with_headers(self, group, members, index, value, compute):
-        failed = type(value) is WorkerFailure
-        header = torch.zeros(3 + MAX_NDIM, dtype=torch.int64)
-        if not failed:
-            if value.ndim > MAX_NDIM:
-                failed = True
-                value = WorkerFailure(self.rank, "collective", None, f"tensors above {MAX_NDIM} dims")
-            else:
-                header[1] = _CODE[value.dtype]
-                header[2] = value.ndim
-                header[3:3 + value.ndim] = torch.tensor(value.shape, dtype=torch.int64)
-        header[0] = int(failed)
-        headers = [torch.empty_like(header) for _ in members]
-        dist.all_gather(headers, header, group=group)
-        if any(int(h[0]) for h in headers):
-            return value if failed else WorkerFailure(
-                self.rank, "collective", None, f"a peer in group {members} failed before this collective")
-        shapes = [tuple(int(n) for n in h[3:3 + int(h[2])]) for h in headers]
-        return compute(_all_gather_padded(group, index, shapes, value, self.device, False)[0])[index]
 
 
 def _all_gather_padded(group, index, shapes, value, device, failed: bool) -> tuple[list, bool | None]:
