@@ -251,3 +251,18 @@ def test_workers_map_the_handles_device_to_their_own():
     args = (Slot(0), [torch.device("cuda", 0), 2], torch.device("cpu"))
     assert on_device(args, mine) == (Slot(0), [mine, 2], torch.device("cpu"))
     assert on_device(torch.device("cuda"), mine) == mine
+
+
+def test_a_tensor_of_an_ended_session_raises_before_anything_is_sent(runner):
+    from .helpers import WORLD_SIZE
+
+    old = dt.distribute_tensor(torch.arange(6.0), dt.init_device_mesh(DEVICE, (WORLD_SIZE,)), [dt.Shard(0)])
+    dt.init(world_size=WORLD_SIZE, runner=runner, device_type=DEVICE)  # ends the old session
+    mesh = dt.init_device_mesh(DEVICE, (WORLD_SIZE,))
+    new = dt.distribute_tensor(torch.ones(6), mesh, [dt.Shard(0)])
+    with pytest.raises(dt.SessionError, match="ended"):
+        old + 1
+    with pytest.raises(dt.SessionError, match="different dtorch sessions"):
+        old + new
+    # the new session is unharmed
+    assert_close(new * 2, torch.full((6,), 2.0))

@@ -1,1 +1,1 @@
-"""controller"""
+"""The controller: the session that owns ids, the instruction stream, recording and reads."""

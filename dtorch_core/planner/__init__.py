@@ -1,1 +1,1 @@
-"""planner"""
+"""The planner: from an aten op on DTensors to instructions (schema, dispatch, choice, plans, emit)."""

@@ -1,1 +1,1 @@
-"""runners"""
+"""Runners: where workers run and how batches reach them (base, inline, thread, process)."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 from ..comm.inprocess import InProcessExchange
 from ..comm.kinds import Communicator
 from ..hookspecs import hookimpl
-from .local import InlineRunner, ThreadRunner
+from .inline import InlineRunner
+from .thread import ThreadRunner
 from ..worker.streams import WorkerStreams
 
 

@@ -28,7 +28,7 @@ from ..ir import wire
 from ..ir.instructions import DefinePlan, Put, Reply
 from ..transport.channel import active_backend
 from ..worker.streams import streams_class
-from .local import Runner
+from .base import Runner
 from ..controller.session import FlushPolicy
 
 log = structlog.get_logger(__name__)

@@ -1,1 +1,1 @@
-"""Controller session, runners, workers."""
+"""Workers: execute instruction batches on one device (loop, collectives, programs, streams, kernels)."""

@@ -28,7 +28,7 @@ def test_plugin_registers_cuda_streams_and_its_communicators():
     plugins = get_plugins()
     assert "nccl" in dict(plugins.describe())
     assert sorted(dict(plugins.describe())["nccl"]) == ["dtorch_register_communicators", "dtorch_register_streams"]
-    assert streams_class("cuda") is CudaStreams and issubclass(CudaStreams, WorkerStreams)
+    assert streams_class(plugins.registry("streams"), "cuda") is CudaStreams and issubclass(CudaStreams, WorkerStreams)
     comms = plugins.registry("communicators")
     name, nccl = choose_communicator(comms, "process", "cuda")
     assert name == "nccl" and nccl.dist_backend == DIST_BACKEND == "cpu:gloo,cuda:nccl"
