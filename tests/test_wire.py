@@ -1,5 +1,5 @@
-"""The wire format (ir/wire.py): exact round trips, every dtype, and a decoder that only ever
-returns a value or raises WireError, whatever bytes it is given."""
+"""The wire format (ir/wire/, specified in docs/wire-format.md): exact round trips, every dtype,
+and a decoder that only ever returns a value or raises WireError, whatever bytes it is given."""
 
 from __future__ import annotations
 
