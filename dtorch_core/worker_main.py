@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     rx = open_channel(ChannelSpec.decode(config["recv"]))
     tx = open_channel(ChannelSpec.decode(config["send"]))
     plugins = get_plugins()
-    streams = make_streams(config["device_type"], rank)
+    streams = make_streams(plugins.registry("streams"), config["device_type"], rank)
     streams.claim_process()  # before the process group: NCCL binds to the current device
     dist.init_process_group(
         config["backend"],
