@@ -207,3 +207,56 @@ def test_view_of_partial_kinds(mesh1d, case, kind):
     out = check_op(fn, [torch.randn(X)], [[dt.Partial(kind)]], mesh1d)
     for o in [out] if isinstance(out, torch.Tensor) else out:
         assert tuple(o.placements) == (dt.Partial(kind),)
+
+
+# ---------------------------------------------------------------------------------------------
+# diagonal, as_strided, and ops whose backward writes through a diagonal
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pl", [[S(0)], [S(2)], [P]], ids=["batch", "other", "partial"])
+def test_diagonal_keeps_the_shards_of_other_dims(mesh1d, pl):
+    x = torch.randn(7, 4, 5, 4)  # 7 rows: uneven over the mesh
+    check_op(lambda t: torch.diagonal(t, 1, 1, 3), [x], [pl], mesh1d,
+             expect_placements=[S(0)] if pl == [S(0)] else ([S(1)] if pl == [S(2)] else [P]))
+
+
+def test_diagonal_of_a_sharded_diagonal_dim_is_exact(mesh1d):
+    x = torch.randn(6, 5)
+    check_op(lambda t: torch.diagonal(t, -1) * 2, [x], [[S(0)]], mesh1d)
+
+
+def test_as_strided_of_a_sharded_tensor_matches_torch(mesh1d):
+    x = torch.randn(10, 3)
+    d = dt.distribute_tensor(x, mesh1d, [S(0)])
+    assert_close(torch.as_strided(d, (4, 2), (3, 2), 5), torch.as_strided(x, (4, 2), (3, 2), 5))
+
+
+def test_as_strided_of_a_view_of_a_replicated_tensor_reads_the_base(mesh1d):
+    x = torch.randn(20)
+    d = dt.distribute_tensor(x, mesh1d, [R])
+    # the view starts at 5; storage_offset 0 reaches back into the base, as in torch
+    assert_close(torch.as_strided(d[5:15], (2, 2), (1, 2), 0), torch.as_strided(x[5:15], (2, 2), (1, 2), 0))
+
+
+def test_as_strided_of_a_view_of_a_sharded_tensor_raises(mesh1d):
+    x = torch.randn(9, 4)
+    d = dt.distribute_tensor(x, mesh1d, [S(0)])
+    view = d[:, 1:3]  # a view that keeps the rows sharded: its storage is the shards'
+    with pytest.raises(dt.OpError, match="view of a sharded tensor"):
+        torch.as_strided(view, (2, 2), (4, 1), 1)
+    # a view made from a gathered copy of its base addresses that copy as torch addresses the base
+    assert_close(torch.as_strided(d[2:7], (3, 2), (4, 1), 1), torch.as_strided(x[2:7], (3, 2), (4, 1), 1))
+
+
+@pytest.mark.parametrize("which", ["householder_product", "ormqr"])
+def test_householder_backward_raises_instead_of_wrong_gradients(mesh1d, which):
+    """Their backward writes through the diagonal of a gathered copy: refused, never wrong."""
+    torch.manual_seed(0)
+    a, tau, c = torch.randn(5, 3), torch.randn(3), torch.randn(5, 4)
+    fn = (lambda a, tau: torch.linalg.householder_product(a, tau)) if which == "householder_product" else (
+        lambda a, tau: torch.ormqr(a, tau, c))
+    da = dt.distribute_tensor(a, mesh1d, [S(0)]).requires_grad_()
+    dtau = dt.distribute_tensor(tau, mesh1d, [S(0)]).requires_grad_()
+    out = fn(da, dtau)
+    assert_close(out, fn(a, tau), rtol=1e-4, atol=1e-5)  # the forward is right
+    with pytest.raises(dt.OpError, match="redistributed copy"):
+        out.sum().backward()

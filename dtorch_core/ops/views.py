@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .common import ALL_PARTIALS, LINEAR_PARTIALS, add_all, dim_map_strategies, view_dim_map
+from ..errors import OpError
 from ..planner.schema import Rule
 from ..planner.dispatch import dispatch_direct
 
@@ -57,6 +58,44 @@ def transpose_rule(call):
     if nd:
         mapping[d0], mapping[d1] = d1, d0
     return dim_map_strategies(call, mapping, partials=ALL_PARTIALS)
+
+
+def _diagonal_dims(call, nd, first: int) -> list:
+    """Dims of a diagonal's input that are not its diagonal: args[first:] are offset, dim1, dim2."""
+    args = list(call.args) + [None] * 4
+    d1 = args[first + 1] if args[first + 1] is not None else call.kwargs.get("dim1", 0)
+    d2 = args[first + 2] if args[first + 2] is not None else call.kwargs.get("dim2", 1)
+    return [d for d in range(nd) if d not in (_norm(d1, nd), _norm(d2, nd))]
+
+
+def diagonal_rule(call):
+    """The dims besides the two the diagonal runs along keep their shards (a view)."""
+    rest = _diagonal_dims(call, call.inputs[0].ndim, 1)
+    return dim_map_strategies(call, {d: k for k, d in enumerate(rest)}, partials=ALL_PARTIALS)
+
+
+def diagonal_backward_rule(call):
+    """grad (rest..., diagonal) -> a tensor of the input's shape: grad's dims keep their shards."""
+    rest = _diagonal_dims(call, len(call.args[1]), 2)
+    return dim_map_strategies(call, {k: d for k, d in enumerate(rest)}, partials=LINEAR_PARTIALS)
+
+
+def as_strided_decomposition(op):
+    """as_strided reads its input's storage. A view's storage is its base's; a view of a tensor
+    that is not replicated would be gathered into a copy holding only the view's elements, so
+    the offsets would point at other data than in torch: refuse it rather than return wrong
+    values (the replicated fallback handles every other case exactly)."""
+
+    def run(x, *args, **kwargs):
+        if getattr(x, "_view_state", 0) and not x._spec.is_replicated():
+            raise OpError(
+                f"{op} of a view of a sharded tensor ({tuple(x.shape)} {list(x.placements)}) would read a "
+                "gathered copy's storage, not the base's as torch does; call .contiguous() (or clone()) on "
+                "the view first, or redistribute its base to Replicate"
+            )
+        return dispatch_direct(op, (x, *args), kwargs)
+
+    return run
 
 
 def squeeze_rule(call):
@@ -173,6 +212,10 @@ def register(registry) -> None:
         registry.add(op, Rule(view_rule, local_out_shape_arg(1)), replace=True)
     registry.add(aten.expand.default, Rule(expand_rule, local_out_shape_arg(1)), replace=True)
     registry.add(aten.permute.default, permute_rule, replace=True)
+    registry.add(aten.diagonal.default, diagonal_rule, replace=True)
+    for op in (aten.as_strided.default, aten.as_strided_.default):
+        registry.add_decomposition(op, as_strided_decomposition(op), replace=True)
+    registry.add(aten.diagonal_backward.default, Rule(diagonal_backward_rule, local_out_shape_arg(1)), replace=True)
     for op in (aten.transpose.int, aten.t.default):
         registry.add(op, transpose_rule, replace=True)
     add_all(registry, aten.squeeze, squeeze_rule)

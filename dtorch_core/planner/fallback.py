@@ -65,6 +65,11 @@ def replicated_fallback(session, func, args, kwargs):
     rule = Rule(lambda call: [], kernel=SEEDED_PREFIX + func.name() if _is_random(func) else None)
     plan = plan_direct(session, func, r_args, r_kwargs, rep_inputs, rule, mesh, view, force_replicate=True)
     out = plan.run(session, r_args, r_kwargs, rep_inputs)
+    gathered = any(type(x) is DTensor and not x._spec.is_replicated() for x in inputs)
+    if gathered and any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+        # a view of a gathered copy: a write through it would miss the tensor it claims to view,
+        # so mark it as such (DirectPlan refuses in-place writes to it)
+        map_structure(out, lambda t: setattr(t, "_view_state", 2) if type(t) is DTensor else None)
     mutated, _ = mutated_inputs(func, args, kwargs)
     written = {}
     for i in sorted(mutated):
