@@ -98,3 +98,13 @@ class MaterializeError(DTorchError):
 
 class SessionError(DTorchError):
     """A tensor used outside the session that made it (an ended session, or mixed sessions)."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's index or files are malformed or inconsistent: a damaged checkpoint, or a
+    directory written by something else. ``entry`` names the key or file at fault (None when
+    it is the index as a whole). Nothing has been loaded when it is raised."""
+
+    def __init__(self, message: str, *, entry: str | None = None):
+        super().__init__(message)
+        self.entry = entry

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
-from ..errors import CheckpointError, CheckpointIncompleteError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointIncompleteError
 from ..placement import Partial, Replicate, Shard
-from .layout import Region, numel
+from . import schema as sc
+from .layout import Region
 
 INDEX_NAME = "index.json"
 FORMAT = "dtorch-checkpoint"
@@ -40,8 +42,13 @@ class Piece:
                 "offsets": [o for o, _ in self.region], "sizes": [n for _, n in self.region]}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Piece":
-        return cls(d["file"], d["name"], tuple(zip(map(int, d["offsets"]), map(int, d["sizes"]))))
+    def from_json(cls, d: Any, what: str, key: str) -> "Piece":
+        offsets = sc.integers(sc.field(d, "offsets", what, key), f"{what} offsets", key)
+        sizes = sc.integers(sc.field(d, "sizes", what, key), f"{what} sizes", key)
+        if len(offsets) != len(sizes):
+            raise sc.damaged(what, f"has {len(offsets)} offsets and {len(sizes)} sizes", key)
+        return cls(sc.file_name(sc.field(d, "file", what, key), f"{what} file"),
+                   sc.text(sc.field(d, "name", what, key), f"{what} name", key), tuple(zip(offsets, sizes)))
 
 
 @attrs.frozen
@@ -66,14 +73,16 @@ class TensorEntry:
         }
 
     @classmethod
-    def from_json(cls, d: dict) -> "TensorEntry":
+    def from_json(cls, d: Any, key: str) -> "TensorEntry":
+        what = f"tensor {key!r}"
+        pieces = sc.seq(sc.field(d, "pieces", what, key), f"{what} pieces", key)
         return cls(
-            tuple(int(n) for n in d["shape"]),
-            parse_dtype(d["dtype"]),
-            bool(d["distributed"]),
-            None if d["mesh_shape"] is None else tuple(d["mesh_shape"]),
-            None if d["placements"] is None else tuple(d["placements"]),
-            tuple(Piece.from_json(p) for p in d["pieces"]),
+            sc.integers(sc.field(d, "shape", what, key), f"{what} shape", key),
+            parse_dtype(sc.text(sc.field(d, "dtype", what, key), f"{what} dtype", key)),
+            sc.boolean(sc.field(d, "distributed", what, key), f"{what} distributed", key),
+            sc.optional(sc.field(d, "mesh_shape", what, key), sc.integers, f"{what} mesh_shape", key),
+            sc.optional(sc.field(d, "placements", what, key), sc.texts, f"{what} placements", key),
+            tuple(Piece.from_json(p, f"{what} piece {i}", key) for i, p in enumerate(pieces)),
         )
 
 
@@ -102,13 +111,29 @@ class CheckpointIndex:
 
     @classmethod
     def from_json(cls, d: dict) -> "CheckpointIndex":
+        tensors = sc.obj(sc.field(d, "tensors", "the index"), "tensors")
+        files = sc.obj(sc.field(d, "files", "the index"), "files")
         return cls(
-            {k: TensorEntry.from_json(e) for k, e in d["tensors"].items()},
-            dict(d["values"]),
-            d["optimizer"],
-            dict(d["extra"]),
-            {k: int(v) for k, v in d["files"].items()},
+            {k: TensorEntry.from_json(e, k) for k, e in tensors.items()},
+            dict(sc.obj(sc.field(d, "values", "the index"), "values")),
+            _optimizer_from_json(sc.field(d, "optimizer", "the index")),
+            dict(sc.obj(sc.field(d, "extra", "the index"), "extra")),
+            {sc.file_name(k, "in files"): sc.integer(v, f"the size of file {k!r}", k) for k, v in files.items()},
         )
+
+
+def _optimizer_from_json(d: Any) -> dict | None:
+    """The optimizer's record, checked: a list of param groups (objects whose ``params`` is a
+    list of parameter names) and a state map (parameter name -> list of state keys)."""
+    if d is None:
+        return None
+    groups = sc.seq(sc.field(d, "param_groups", "optimizer"), "optimizer param_groups")
+    for i, group in enumerate(groups):
+        sc.texts(sc.field(group, "params", f"optimizer param group {i}"), f"optimizer param group {i} params")
+    state = sc.obj(sc.field(d, "state", "optimizer"), "optimizer state")
+    for name, keys in state.items():
+        sc.texts(keys, f"optimizer state of {name!r}", f"optim.state.{name}")
+    return {"param_groups": groups, "state": state}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -116,9 +141,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
     if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"the checkpoint names dtype {name!r}, which this torch does not have")
+        raise CheckpointCorruptError(f"the checkpoint names dtype {name!r}, which this torch does not have; "
+                                     "load it with a torch that has it", entry=str(name))
     return dtype
 
 
@@ -135,51 +161,56 @@ def placement_name(p) -> str:
 def write_index(directory: Path, index: CheckpointIndex) -> None:
     """Write ``index.json`` into ``directory`` and fsync it."""
     target = directory / INDEX_NAME
-    with open(target, "w") as f:
+    # explicit mode (less the umask): never world-writable, even with umask 0
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w") as f:
         json.dump(index.to_json(), f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
 
 def read_index(directory: Path) -> CheckpointIndex:
-    """Read and check the index of ``directory``: every file it lists must be there, whole.
+    """Read and parse the index of ``directory``, every field checked for its type (what it
+    refers to is checked by ``verify``).
 
-    Raises CheckpointIncompleteError when the index or a file is missing or a file has the
-    wrong size; CheckpointError when the index is not one this version can read.
+    Raises CheckpointIncompleteError when there is no index; CheckpointCorruptError when it is
+    malformed (or not a regular file); CheckpointError when it is not one this version reads.
     """
     target = directory / INDEX_NAME
-    if not target.is_file():
+    try:
+        st = os.lstat(target)
+    except FileNotFoundError:
+        st = None
+    if st is None or stat.S_ISDIR(st.st_mode):
         raise CheckpointIncompleteError(
             f"{directory} has no {INDEX_NAME}: it is not a complete dtorch checkpoint (a save that was "
             "interrupted, or another kind of directory); load an older checkpoint or save again"
         )
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointCorruptError(
+            f"{target} is not a regular file (a symbolic link or a device); only regular files inside "
+            "the checkpoint directory are read: the checkpoint is damaged or hostile, load another one",
+            entry=INDEX_NAME,
+        )
     try:
-        with open(target) as f:
+        fd = os.open(target, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
             raw = json.load(f)
-        if raw.get("format") != FORMAT:
-            raise CheckpointError(f"{target} is not a dtorch checkpoint index (format {raw.get('format')!r})")
-        if raw.get("version") != VERSION:
-            raise CheckpointError(
-                f"{target} is checkpoint format version {raw.get('version')}; this dtorch reads version "
-                f"{VERSION}: load it with the dtorch that wrote it"
-            )
-        index = CheckpointIndex.from_json(raw)
-    except CheckpointError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"{target} is unreadable ({type(exc).__name__}: {exc}); the checkpoint is damaged") from exc
-    for name, size in index.files.items():
-        path = directory / name
-        actual = path.stat().st_size if path.is_file() else None
-        if actual != size:
-            what = "is missing" if actual is None else f"has {actual} bytes, the index says {size}"
-            raise CheckpointIncompleteError(f"checkpoint {directory} is incomplete: {name} {what}")
-    for key, entry in index.tensors.items():
-        covered = sum(numel(p.region) for p in entry.pieces)
-        total = numel(tuple((0, n) for n in entry.shape))
-        if covered != total or any(p.file not in index.files for p in entry.pieces):
-            raise CheckpointError(f"{target} is damaged: the pieces of {key!r} do not cover its shape {entry.shape}")
-    return index
+    except RecursionError:
+        raise CheckpointCorruptError(f"{target} nests its JSON too deeply to be read; the checkpoint is damaged "
+                                     "or hostile, load another one", entry=INDEX_NAME) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointCorruptError(f"{target} is unreadable ({type(exc).__name__}: {exc}); the checkpoint is "
+                                     "damaged, load another one", entry=INDEX_NAME) from exc
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        what = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        raise CheckpointError(f"{target} is not a dtorch checkpoint index (format {what!r})")
+    if raw.get("version") != VERSION:
+        raise CheckpointError(
+            f"{target} is checkpoint format version {raw.get('version')}; this dtorch reads version "
+            f"{VERSION}: load it with the dtorch that wrote it"
+        )
+    return CheckpointIndex.from_json(raw)
 
 
 def check_json(value: Any, what: str) -> None:

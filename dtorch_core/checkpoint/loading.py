@@ -15,10 +15,10 @@ from ..placement import Partial
 from ..tensor import DTensor
 from . import publish
 from .calls import run_kernel
-from .index import read_index
 from .kernels import READ_KERNEL, CheckpointFileError, read_into
 from .layout import reads_for
 from .state import plan_load
+from .verify import read_verified
 
 log = structlog.get_logger(__name__)
 
@@ -31,13 +31,17 @@ def load(model: torch.nn.Module, optimizer, path) -> dict:
     them just the regions its own shards need (any saved mesh and placements load onto any
     current ones), plain tensors are read by the controller. Optimizer state is matched by
     parameter name; state the optimizer does not have yet is created laid out like its parameter.
-    Raises CheckpointIncompleteError for a directory without a complete checkpoint and
-    CheckpointMismatchError (naming the missing, unexpected and mismatched keys) for a checkpoint
-    of another model, before anything is changed.
+    Everything is checked before anything is written into the model or optimizer, so a load
+    that raises leaves them as they were: CheckpointIncompleteError for a directory without a
+    complete checkpoint, CheckpointCorruptError for a damaged or hostile one (a file outside the
+    directory or not a regular file, pieces that do not match the index or do not tile their
+    tensor, a malformed index; it names the entry) and CheckpointMismatchError (naming the
+    missing, unexpected and mismatched keys) for a checkpoint of another model. Only a file that
+    changes or fails to read after those checks raises CheckpointIOError mid-load.
     """
     start = time.monotonic()
     directory = publish.resolve(Path(path).absolute())  # workers may run in another cwd
-    index = read_index(directory)
+    index = read_verified(directory)
     targets = plan_load(model, optimizer, index)
     nbytes = 0
     plain = []
@@ -49,21 +53,34 @@ def load(model: torch.nn.Module, optimizer, path) -> dict:
         else:
             plain.append((dest, entry))
     for mesh, items in by_mesh.items():
-        nbytes += _read_mesh(mesh, items, directory)
+        try:
+            nbytes += _read_mesh(mesh, items, directory)
+        except CheckpointIOError as exc:
+            raise CheckpointIOError(f"{exc}. {_PARTLY}", rank=exc.rank, file=exc.file) from exc
     if plain:
         reads = []
         for slot, (dest, entry) in enumerate(plain):
             region = tuple((0, n) for n in dest.shape)
-            reads.extend((slot, piece.file, piece.name, src, dst) for piece, src, dst in reads_for(region, entry.pieces))
+            reads.extend(_reads(region, entry, slot))
         try:
             nbytes += read_into(str(directory), reads, [d for d, _ in plain])
         except CheckpointFileError as exc:
-            raise CheckpointIOError(f"checkpoint read failed on the controller: {exc}", rank=None,
+            raise CheckpointIOError(f"checkpoint read failed on the controller: {exc}. {_PARTLY}", rank=None,
                                     file=exc.path) from exc
     targets.finish()
     log.info("checkpoint loaded", path=str(path), files=len(index.files), bytes=nbytes,
              tensors=len(targets.tensors), seconds=round(time.monotonic() - start, 3))
     return dict(index.extra)
+
+
+_PARTLY = ("the files changed or became unreadable after they were checked, so the model may be partly "
+           "loaded: load a good checkpoint again before using it")
+
+
+def _reads(region, entry, slot: int) -> list:
+    """The kernel's reads of ``region`` of ``entry`` into ``slot``: (slot, file, name, piece shape, src, dst)."""
+    return [(slot, piece.file, piece.name, tuple(n for _, n in piece.region), src, dst)
+            for piece, src, dst in reads_for(region, entry.pieces)]
 
 
 def _read_mesh(mesh, items: list, directory: Path) -> int:
@@ -80,7 +97,7 @@ def _read_mesh(mesh, items: list, directory: Path) -> int:
                 zero.append(slot)  # the group's value lives on its first rank; the rest add zero
                 continue
             region = spec.region(coord)
-            reads.extend((slot, piece.file, piece.name, src, dst) for piece, src, dst in reads_for(region, entry.pieces))
+            reads.extend(_reads(region, entry, slot))
         per_rank[rank] = (args, {"directory": str(directory), "reads": tuple(reads), "zero": tuple(zero)})
     done = run_kernel(mesh, READ_KERNEL, [d for d, _ in items], per_rank, "checkpoint read", writes_inputs=True)
     return sum(nbytes for nbytes, _ in done.values())

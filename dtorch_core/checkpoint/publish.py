@@ -11,6 +11,10 @@ are atomic), fsyncs every file and the directory, writes the index last, and the
 
 So at every moment ``path`` (or, in that one window, the checkpoint aside) is complete and
 loadable. Leftovers of interrupted saves are removed by the next save to the same path.
+
+Permissions: whatever the umask, nothing of a checkpoint is writable by group or others. The
+temporary directory is private (0700) while files are written into it, and opened up to 0755
+(less what the umask removes) just before it is published; files end up 0644 (likewise).
 """
 
 from __future__ import annotations
@@ -54,9 +58,40 @@ def _is_complete(directory: Path) -> bool:
     return (directory / INDEX_NAME).is_file()
 
 
+DIR_MODE = 0o755
+FILE_MODE = 0o644
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where Linux allows (threads may be saving)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def make_dirs(path: Path) -> None:
+    """``mkdir -p`` whose new directories are 0755 less the umask (never world-writable)."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, DIR_MODE & ~0o022)
+        except FileExistsError:
+            pass
+
+
 def make_temp(path: Path) -> Path:
-    """A new empty directory beside ``path`` to save into; clears leftovers of earlier saves."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """A new empty private directory beside ``path`` to save into; clears leftovers of earlier saves."""
+    make_dirs(path.parent)
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{path} exists and is not a directory; choose another checkpoint path")
     if path.is_dir() and not _is_complete(path) and any(path.iterdir()):
@@ -68,7 +103,7 @@ def make_temp(path: Path) -> Path:
         log.info("removing an interrupted save", directory=str(stale))
         shutil.rmtree(stale, ignore_errors=True)
     tmp = path.parent / f".{path.name}{_TMP}{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
+    tmp.mkdir(mode=0o700)  # nobody else may open a file in it while it is being written
     return tmp
 
 
@@ -96,6 +131,7 @@ def _exchange(a: Path, b: Path) -> bool:
 def publish(tmp: Path, path: Path) -> None:
     """Make the complete checkpoint in ``tmp`` the one at ``path`` (see the module docstring)."""
     parent = path.parent
+    os.chmod(tmp, DIR_MODE & ~(umask() | 0o022))
     fsync_dir(tmp)
     if not path.exists() or (path.is_dir() and not any(path.iterdir())):
         os.replace(tmp, path)  # an empty directory is replaced whole

@@ -9,13 +9,14 @@ are kept with the names of the group's parameters.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import attrs
 import torch
 import torch.nn as nn
 
-from ..errors import CheckpointError, CheckpointMismatchError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from ..placement import Replicate
 from ..tensor import DTensor
 from .index import CheckpointIndex, check_json, dtype_name, parse_dtype
@@ -206,37 +207,75 @@ def _check_optimizer(model, optimizer, index, missing: set, unexpected: set) -> 
         unexpected.update(f"optim.param_groups[{i}].{n}" for n in there - here)
 
 
+def _decode(value: Any, current: Any, key: str) -> Any:
+    try:
+        return decode_value(value, current)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, RuntimeError, OverflowError, RecursionError) as exc:
+        raise CheckpointCorruptError(f"the checkpoint index is damaged: the value of {key!r} cannot be read "
+                                     f"({type(exc).__name__}: {exc}); load another checkpoint", entry=key) from None
+
+
+def _check_state_tensor(key: str, entry, limit: int, reusable: bool) -> None:
+    """A saved optimizer tensor may not be larger than all the optimizer's parameters together
+    (unless the optimizer holds one of that very shape already): checked before allocating it."""
+    if not reusable and math.prod(entry.shape) > limit:
+        raise CheckpointMismatchError(
+            f"the checkpoint's optimizer state {key!r} has shape {tuple(entry.shape)}: more elements than "
+            f"all {limit} of the optimizer's parameters together, so not state of this optimizer. Load the "
+            "checkpoint into the model and optimizer it was saved from", mismatched={key: f"shape {tuple(entry.shape)}"},
+        )
+
+
 def _optimizer_targets(model, optimizer, index, dests: dict) -> Callable[[], None]:
     """Add a destination per saved optimizer tensor to ``dests``; return what installs the new
-    state and the saved hyper-parameters once the data is in."""
+    state and the saved hyper-parameters once the data is in. Everything is checked (names,
+    values, sizes against the parameters) before the first destination is allocated."""
     names = parameter_names(model, optimizer)
     by_name = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
-    new_state = {}
+    limit = max(1, sum(p.numel() for p in by_name.values()))
+    hyper = [{k: _decode(v, group.get(k), f"optim.param_groups[{i}].{k}") for k, v in saved.items() if k not in _GROUP_SKIP}
+             for i, (group, saved) in enumerate(zip(optimizer.param_groups, index.optimizer["param_groups"]))]
+    plan = {}  # parameter -> {state key: decoded value, or (key, entry, reused tensor or None)}
     for name, keys in index.optimizer["state"].items():
+        if name not in by_name:
+            raise CheckpointCorruptError(
+                f"the checkpoint index is damaged: it holds optimizer state of {name!r}, which is in none of "
+                "its param groups; load another checkpoint", entry=f"{OPTIM}{name}",
+            )
         p = by_name[name]
         current = optimizer.state.get(p, {})
         state = {}
         for k in keys:
             key = optim_key(name, k)
             if key in index.values:
-                state[k] = decode_value(index.values[key], current.get(k))
+                state[k] = _decode(index.values[key], current.get(k), key)
                 continue
+            if key not in index.tensors:
+                raise CheckpointCorruptError(
+                    f"the checkpoint index is damaged: it lists optimizer state {key!r} but holds no value "
+                    "for it; load another checkpoint", entry=key,
+                )
             entry = index.tensors[key]
             old = current.get(k)
-            if (isinstance(old, torch.Tensor) and tuple(old.shape) == tuple(entry.shape)
-                    and old.dtype == entry.dtype and isinstance(old, DTensor) == entry.distributed):
-                dest = old  # keep the layout the optimizer already chose
-            else:
-                dest = _new_state_tensor(entry, p)
-            dests[key] = dest
-            state[k] = dest
-        new_state[p] = state
+            reuse = (isinstance(old, torch.Tensor) and tuple(old.shape) == tuple(entry.shape)
+                     and old.dtype == entry.dtype and isinstance(old, DTensor) == entry.distributed)
+            _check_state_tensor(key, entry, limit, reuse)
+            state[k] = _Pending(key, entry, old if reuse else None)  # reuse: keep the optimizer's layout
+        plan[p] = state
+    new_state = {}
+    for p, state in plan.items():
+        new_state[p] = {}
+        for k, v in state.items():
+            if isinstance(v, _Pending):
+                dests[v.key] = v.reuse if v.reuse is not None else _new_state_tensor(v.entry, p)
+                v = dests[v.key]
+            new_state[p][k] = v
 
     def finish() -> None:
-        for group, saved in zip(optimizer.param_groups, index.optimizer["param_groups"]):
-            for k, v in saved.items():
-                if k not in _GROUP_SKIP:
-                    group[k] = decode_value(v, group.get(k))
+        for group, values in zip(optimizer.param_groups, hyper):
+            group.update(values)
         for p in by_name.values():
             if p in new_state:
                 optimizer.state[p] = new_state[p]
@@ -244,3 +283,12 @@ def _optimizer_targets(model, optimizer, index, dests: dict) -> Callable[[], Non
                 optimizer.state.pop(p, None)
 
     return finish
+
+
+@attrs.frozen
+class _Pending:
+    """A saved optimizer tensor whose destination is made once every check has passed."""
+
+    key: str
+    entry: Any
+    reuse: Any  # the optimizer's own tensor of that shape and dtype, or None
