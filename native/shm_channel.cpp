@@ -32,6 +32,14 @@
 // (pidfd, or /proc as a fallback) and Python signals, so a reader never waits forever for a writer
 // that is gone. The GIL is released while waiting and while copying large messages.
 //
+// The peer is not trusted: every position and length read from the shared header is checked
+// against the capacity before it is used (a writer position more than `capacity` ahead of the
+// reader's, a reader position ahead of the writer's or a frame length over the end's
+// max_message), and a bad one closes this end with ChannelCorruptError instead of letting a copy
+// run past the mapping. Both ends refuse messages over max_message (DTORCH_MAX_MESSAGE_BYTES):
+// the sender before anything is written (ChannelMessageTooLargeError, the channel stays usable),
+// the receiver before it allocates (ChannelCorruptError: the stream cannot go on).
+//
 // Each endpoint is guarded by a mutex (several Python threads may share one end). Lock order:
 // endpoint mutex, then GIL; nobody blocks on the mutex while holding the GIL.
 
@@ -121,9 +129,19 @@ struct OsError : std::runtime_error {
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+// The peer wrote an impossible position or length: this end is closed (a ClosedError too).
+struct CorruptError : ClosedError {
+  using ClosedError::ClosedError;
+};
+// A message over this end's max_message was given to send(): nothing was written.
+struct TooLargeError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 PyObject* g_closed_type = nullptr;   // dtorch_core.transport.channel.ChannelClosedError
 PyObject* g_timeout_type = nullptr;  // dtorch_core.transport.channel.ChannelTimeoutError
+PyObject* g_corrupt_type = nullptr;  // dtorch_core.transport.base.ChannelCorruptError
+PyObject* g_too_large_type = nullptr;  // dtorch_core.transport.base.ChannelMessageTooLargeError
 
 inline int64_t now_ns() {
   timespec ts;
@@ -194,8 +212,9 @@ struct BufferGuard {
 class ShmChannel {
  public:
   ShmChannel(const std::string& name, const std::string& role, bool create, uint64_t capacity,
-             double spin_us)
+             double spin_us, uint64_t max_message)
       : name_(name), creator_(create) {
+    max_message_ = (max_message == 0 || max_message > kMaxMessage) ? kMaxMessage : max_message;
     if (role == "send") {
       writer_ = true;
     } else if (role == "recv") {
@@ -232,7 +251,11 @@ class ShmChannel {
     buf.held = true;
     const auto* src = static_cast<const uint8_t*>(buf.view.buf);
     const uint64_t n = uint64_t(buf.view.len);
-    if (n > kMaxMessage) throw UsageError("message too large");
+    if (n > max_message_)
+      throw TooLargeError("channel " + name_ + ": a message of " + std::to_string(n) +
+                          " bytes is over the limit of " + std::to_string(max_message_) +
+                          " bytes (DTORCH_MAX_MESSAGE_BYTES, at most 2^47); nothing was sent. "
+                          "Send it in smaller pieces or raise the limit on both ends");
     const int64_t deadline = deadline_from(timeout);
 
     std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
@@ -311,6 +334,7 @@ class ShmChannel {
   bool closed() const { return closed_.load(std::memory_order_acquire); }
   const std::string& name() const { return name_; }
   uint64_t capacity() const { return cap_; }
+  uint64_t max_message() const { return max_message_; }
   std::string role() const { return writer_ ? "send" : "recv"; }
 
   // Bytes published and not yet consumed (a diagnostic; racy by nature).
@@ -397,6 +421,14 @@ class ShmChannel {
     unlinked_ = true;
     my_pos_ = self().pos.load(std::memory_order_acquire);
     peer_pos_ = peer().pos.load(std::memory_order_acquire);
+    const uint64_t used = writer_ ? my_pos_ - peer_pos_ : peer_pos_ - my_pos_;
+    if (used > cap_) {
+      mark_closed();
+      throw CorruptError("channel " + name_ + " is corrupt: its header holds a writer position " +
+                         std::to_string(hdr_->writer.pos.load()) + " and a reader position " +
+                         std::to_string(hdr_->reader.pos.load()) + " more than the capacity (" +
+                         std::to_string(cap_) + " bytes) apart; make a new channel");
+    }
   }
 
   void map(int fd, size_t len) {
@@ -448,19 +480,38 @@ class ShmChannel {
   Side& peer() { return writer_ ? hdr_->reader : hdr_->writer; }
 
   // Writer: free bytes, re-reading the reader's position only when the cached one says < need.
+  // The reader's position must lie in [my_pos_ - cap_, my_pos_]: anything else is corrupt.
   uint64_t free_space(uint64_t need) {
     uint64_t f = cap_ - (my_pos_ - peer_pos_);
     if (f >= need) return f;
-    peer_pos_ = peer().pos.load(std::memory_order_acquire);
+    const uint64_t p = peer().pos.load(std::memory_order_acquire);
+    if (my_pos_ - p > cap_) corrupt_position(p);
+    peer_pos_ = p;
     return cap_ - (my_pos_ - peer_pos_);
   }
 
   // Reader: published bytes not yet consumed, re-reading the writer's position only if needed.
+  // The writer's position must lie in [my_pos_, my_pos_ + cap_]: anything else is corrupt.
   uint64_t available(uint64_t need) {
     uint64_t a = peer_pos_ - my_pos_;
     if (a >= need) return a;
-    peer_pos_ = peer().pos.load(std::memory_order_acquire);
+    const uint64_t p = peer().pos.load(std::memory_order_acquire);
+    if (p - my_pos_ > cap_) corrupt_position(p);
+    peer_pos_ = p;
     return peer_pos_ - my_pos_;
+  }
+
+  // The peer's position is impossible: close this end (so nothing more is copied) and raise.
+  [[noreturn]] void corrupt_position(uint64_t p) {
+    mark_closed();
+    throw CorruptError("channel " + name_ + " is corrupt: the " +
+                       (writer_ ? "reader's position " : "writer's position ") +
+                       std::to_string(p) + " is " + (writer_ ? "not within " : "more than ") +
+                       std::to_string(cap_) + " bytes (the capacity) " +
+                       (writer_ ? "behind this writer's " : "ahead of this reader's ") +
+                       std::to_string(my_pos_) +
+                       "; the other process is broken or hostile. This end is closed; make a "
+                       "new channel");
   }
 
   void copy_in(uint64_t pos, const uint8_t* src, uint64_t n) {
@@ -505,9 +556,14 @@ class ShmChannel {
     copy_out(my_pos_, header, kFrameHeader);
     uint64_t n = 0;
     for (int i = 0; i < 8; ++i) n |= uint64_t(header[i]) << (8 * i);
-    if (n > kMaxMessage)
-      throw ClosedError("channel " + name_ + " is corrupt (frame length " + std::to_string(n) +
-                        "); close it");
+    if (n > max_message_) {
+      mark_closed();
+      throw CorruptError("channel " + name_ + ": a frame claims " + std::to_string(n) +
+                         " bytes, over the limit of " + std::to_string(max_message_) +
+                         " bytes (DTORCH_MAX_MESSAGE_BYTES, at most 2^47); the stream cannot go "
+                         "on, so this end is closed. Raise the limit on both ends if the "
+                         "message is real, else the other process is broken");
+    }
     return n;
   }
 
@@ -672,7 +728,14 @@ class ShmChannel {
   // Reader, mutex and GIL held, a frame header of length n at my_pos_: read the whole message.
   nb::object take_body(uint64_t n) {
     PyObject* raw = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(n));
-    if (!raw) throw nb::python_error();
+    if (!raw) {
+      PyErr_Clear();
+      mark_closed();
+      throw CorruptError("channel " + name_ + ": cannot allocate " + std::to_string(n) +
+                         " bytes for the message that arrives (out of memory); the stream "
+                         "cannot go on, so this end is closed. Lower DTORCH_MAX_MESSAGE_BYTES "
+                         "or send smaller messages");
+    }
     nb::object out = nb::steal(raw);
     auto* dst = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(raw));
     std::optional<double> no_timeout;
@@ -707,6 +770,7 @@ class ShmChannel {
   size_t map_len_ = 0;
   uint64_t cap_ = 0;
   uint64_t mask_ = 0;
+  uint64_t max_message_ = kMaxMessage;  // longest message either way (both ends check it)
   uint64_t my_pos_ = 0;    // my side's position (only this endpoint writes it)
   uint64_t peer_pos_ = 0;  // last seen position of the other side
   int64_t spin_max_ns_ = 0;  // spin budget limit (DTORCH_CHANNEL_SPIN_US)
@@ -720,13 +784,18 @@ class ShmChannel {
   std::mutex mu_;
 };
 
-void set_error_types(nb::handle closed_type, nb::handle timeout_type) {
-  Py_XINCREF(closed_type.ptr());
-  Py_XINCREF(timeout_type.ptr());
-  Py_XDECREF(g_closed_type);
-  Py_XDECREF(g_timeout_type);
-  g_closed_type = closed_type.ptr();
-  g_timeout_type = timeout_type.ptr();
+void set_type(PyObject*& slot, nb::handle type) {
+  Py_XINCREF(type.ptr());
+  Py_XDECREF(slot);
+  slot = type.ptr();
+}
+
+void set_error_types(nb::handle closed_type, nb::handle timeout_type, nb::handle corrupt_type,
+                     nb::handle too_large_type) {
+  set_type(g_closed_type, closed_type);
+  set_type(g_timeout_type, timeout_type);
+  set_type(g_corrupt_type, corrupt_type.is_none() ? closed_type : corrupt_type);
+  set_type(g_too_large_type, too_large_type.is_none() ? nb::handle() : too_large_type);
 }
 
 }  // namespace
@@ -738,6 +807,12 @@ NB_MODULE(_native, m) {
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
+    } catch (const CorruptError& e) {
+      PyErr_SetString(g_corrupt_type ? g_corrupt_type
+                                     : (g_closed_type ? g_closed_type : PyExc_ConnectionError),
+                      e.what());
+    } catch (const TooLargeError& e) {
+      PyErr_SetString(g_too_large_type ? g_too_large_type : PyExc_ValueError, e.what());
     } catch (const ClosedError& e) {
       PyErr_SetString(g_closed_type ? g_closed_type : PyExc_ConnectionError, e.what());
     } catch (const TimeoutErr& e) {
@@ -754,14 +829,19 @@ NB_MODULE(_native, m) {
   });
 
   m.def("set_error_types", &set_error_types, "closed"_a, "timeout"_a,
-        "Exception classes raised for a closed channel and for a timeout.");
+        "corrupt"_a = nb::none(), "too_large"_a = nb::none(),
+        "Exception classes raised for a closed channel, a timeout, a corrupt channel (bad "
+        "positions or lengths from the peer) and a message over max_message.");
+  m.attr("MAX_MESSAGE") = kMaxMessage;
 
   nb::class_<ShmChannel>(m, "ShmChannel",
                          "One end of a one-direction shared-memory ring channel.")
-      .def(nb::init<const std::string&, const std::string&, bool, uint64_t, double>(), "name"_a,
-           "role"_a, "create"_a, "capacity"_a = uint64_t(1) << 20, "spin_us"_a = 50.0,
+      .def(nb::init<const std::string&, const std::string&, bool, uint64_t, double, uint64_t>(),
+           "name"_a, "role"_a, "create"_a, "capacity"_a = uint64_t(1) << 20, "spin_us"_a = 50.0,
+           "max_message"_a = kMaxMessage,
            "Create (create=True) or open the shared-memory object `name` as its 'send' or "
-           "'recv' end. The capacity is rounded up to a power of two of at least 4096 bytes.")
+           "'recv' end. The capacity is rounded up to a power of two of at least 4096 bytes; "
+           "messages over max_message bytes (0: 2^47) are refused both ways.")
       .def("send", &ShmChannel::send, "data"_a, "timeout"_a = nb::none(),
            "Send one message (any contiguous buffer). Blocks while the ring is full; the timeout "
            "bounds the wait for room to begin the message.")
@@ -776,6 +856,7 @@ NB_MODULE(_native, m) {
       .def_prop_ro("closed", &ShmChannel::closed)
       .def_prop_ro("name", &ShmChannel::name)
       .def_prop_ro("capacity", &ShmChannel::capacity)
+      .def_prop_ro("max_message", &ShmChannel::max_message)
       .def_prop_ro("role", &ShmChannel::role)
       .def_prop_ro("pending", &ShmChannel::pending,
                    "Bytes published and not yet consumed (a diagnostic).");

@@ -9,6 +9,7 @@ this module, so nothing here imports a backend.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Literal
 
 import attrs
@@ -24,20 +25,79 @@ ENV_SPIN_US = "DTORCH_CHANNEL_SPIN_US"
 DEFAULT_SPIN_US = 50.0
 #: Ring size of a native channel (a power of two); larger messages are streamed through it.
 DEFAULT_CAPACITY = 1 << 20
+#: The longest message either end accepts (bytes); both backends check it before allocating.
+ENV_MAX_MESSAGE = "DTORCH_MAX_MESSAGE_BYTES"
+DEFAULT_MAX_MESSAGE = 64 << 30  # 64 GiB: any real batch or tensor, and no absurd allocation
+MAX_MESSAGE_LIMIT = 1 << 47  # what the frame format and the native ring can carry at all
 
 Role = Literal["send", "recv"]
 
 
-class ChannelClosedError(DTorchError, ConnectionError):
+class ChannelError(DTorchError):
+    """Base of the channel errors below."""
+
+
+class ChannelClosedError(ChannelError, ConnectionError):
     """The other end closed the channel or its process exited, or this end is closed."""
 
 
-class ChannelTimeoutError(DTorchError, TimeoutError):
+class ChannelCorruptError(ChannelClosedError):
+    """The other end wrote something impossible (a position or frame length out of bounds, a
+    frame over the message limit): this end is closed, since the stream cannot be trusted any
+    more. Make a new channel; if the message was real, raise ``DTORCH_MAX_MESSAGE_BYTES``."""
+
+
+class ChannelMessageTooLargeError(ChannelError, ValueError):
+    """``send`` was given a message over the limit (``DTORCH_MAX_MESSAGE_BYTES``); nothing was
+    sent and the channel stays usable."""
+
+
+class ChannelTimeoutError(ChannelError, TimeoutError):
     """No message (or no room for one) within the timeout; the channel stays usable."""
 
 
-class ChannelBackendError(DTorchError):
+class ChannelBackendError(ChannelError):
     """The channel backend asked for (``DTORCH_CHANNEL`` or ``backend=``) is not available."""
+
+
+def max_message_bytes(value: int | None = None) -> int:
+    """The message size limit: ``value`` when given (> 0), else ``DTORCH_MAX_MESSAGE_BYTES``,
+    else 64 GiB; at most 2^47."""
+    if value is None or value == 0:
+        raw = os.environ.get(ENV_MAX_MESSAGE, "").strip()
+        if not raw:
+            return DEFAULT_MAX_MESSAGE
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ChannelBackendError(
+                f"{ENV_MAX_MESSAGE}={raw!r} is not a number of bytes; set it to an integer "
+                f"between 1 and 2**47 (default {DEFAULT_MAX_MESSAGE})"
+            ) from None
+        source = ENV_MAX_MESSAGE
+    else:
+        source = "max_message"
+    if not 0 < value <= MAX_MESSAGE_LIMIT:
+        raise ChannelBackendError(
+            f"{source}={value} is out of range: the message size limit must be between 1 and "
+            f"2**47 bytes (default {DEFAULT_MAX_MESSAGE})"
+        )
+    return int(value)
+
+
+def too_large(n: int, limit: int) -> ChannelMessageTooLargeError:
+    return ChannelMessageTooLargeError(
+        f"a message of {n} bytes is over the limit of {limit} bytes ({ENV_MAX_MESSAGE}, at most "
+        f"2^47); nothing was sent. Send it in smaller pieces or raise the limit on both ends"
+    )
+
+
+def frame_too_large(backend: str, n: int, limit: int) -> ChannelCorruptError:
+    return ChannelCorruptError(
+        f"{backend} channel: a frame claims {n} bytes, over the limit of {limit} bytes "
+        f"({ENV_MAX_MESSAGE}, at most 2^47); the stream cannot go on, so this end is closed. "
+        f"Raise the limit on both ends if the message is real, else the other process is broken"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,6 +160,7 @@ class ChannelSpec:
     name: str = ""
     fd: int = -1
     capacity: int = 0
+    max_message: int = 0  # 0: the opening process's DTORCH_MAX_MESSAGE_BYTES (or the default)
 
     @property
     def pass_fds(self) -> tuple[int, ...]:
@@ -120,9 +181,9 @@ class ChannelSpec:
 
             if context.get_spawning_popen() is not None:
                 dup = reduction.DupFd(self.fd)
-                return (_rebuild_inherited_spec, (self.role, dup, self.capacity))
-        return (ChannelSpec, (self.backend, self.role, self.name, self.fd, self.capacity))
+                return (_rebuild_inherited_spec, (self.role, dup, self.capacity, self.max_message))
+        return (ChannelSpec, (self.backend, self.role, self.name, self.fd, self.capacity, self.max_message))
 
 
-def _rebuild_inherited_spec(role: Role, dup_fd: Any, capacity: int) -> ChannelSpec:
-    return ChannelSpec(BACKEND_PIPE, role, fd=dup_fd.detach(), capacity=capacity)
+def _rebuild_inherited_spec(role: Role, dup_fd: Any, capacity: int, max_message: int = 0) -> ChannelSpec:
+    return ChannelSpec(BACKEND_PIPE, role, fd=dup_fd.detach(), capacity=capacity, max_message=max_message)

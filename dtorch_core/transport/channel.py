@@ -28,6 +28,12 @@ Semantics shared by both backends:
   once. A peer process that exits without closing is detected the same way (within ~50-100 ms
   of it blocking for the native backend, at once for the pipe), so nothing waits forever.
 - Each end may be used from several threads (operations on one end are serialized).
+- Neither end trusts the other: a message longer than the limit (``max_message=``, else
+  ``DTORCH_MAX_MESSAGE_BYTES``, default 64 GiB, at most 2^47) is refused by ``send``
+  (:class:`ChannelMessageTooLargeError`, nothing sent) and, should a peer send one anyway, by the
+  receiver before it allocates; a frame length, or (native) a ring position, that is out of
+  bounds closes the receiving or sending end with :class:`ChannelCorruptError` (a
+  ChannelClosedError), never a crash.
 """
 
 from __future__ import annotations
@@ -47,14 +53,20 @@ from .base import (  # noqa: F401
     BACKEND_PIPE,
     BACKENDS,
     DEFAULT_CAPACITY,
+    DEFAULT_MAX_MESSAGE,
     DEFAULT_SPIN_US,
+    ENV_MAX_MESSAGE,
     ENV_SPIN_US,
     Channel,
     ChannelBackendError,
     ChannelClosedError,
+    ChannelCorruptError,
+    ChannelError,
+    ChannelMessageTooLargeError,
     ChannelSpec,
     ChannelTimeoutError,
     Role,
+    max_message_bytes,
 )
 
 ENV_BACKEND = "DTORCH_CHANNEL"
@@ -167,26 +179,31 @@ def create_channel(
     backend: str | None = None,
     capacity: int = DEFAULT_CAPACITY,
     spin_us: float | None = None,
+    max_message: int | None = None,
 ) -> tuple[Channel, ChannelSpec]:
     """Make a channel; returns this process's end (``role``) and the spec of the other end.
 
     Keep the returned end open until the other process has opened its end, and call
     :meth:`Channel.child_started` once that process runs. ``spin_us`` caps how long this end
     spins before sleeping (native backend; default ``DTORCH_CHANNEL_SPIN_US`` or 50 us, 0 never
-    spins); the child's end reads ``DTORCH_CHANNEL_SPIN_US`` in the child.
+    spins); the child's end reads ``DTORCH_CHANNEL_SPIN_US`` in the child. ``max_message`` is
+    the longest message either end takes (default ``DTORCH_MAX_MESSAGE_BYTES`` or 64 GiB); given
+    here, it travels in the spec to the other end too.
     """
     if role not in ("send", "recv"):
         raise ValueError(f"role must be 'send' or 'recv', not {role!r}")
     other: Role = "recv" if role == "send" else "send"
     chosen = _resolve(backend)
+    limit = max_message_bytes(max_message)
+    given = limit if max_message else 0
     if chosen == BACKEND_NATIVE:
         shm = _native_backend()[0]
         name = _shm_name()
         spin = _spin_us() if spin_us is None else max(0.0, float(spin_us))
-        end = shm.ShmChannel.create(name, role, capacity=capacity, spin_us=spin)
-        return end, ChannelSpec(BACKEND_NATIVE, other, name=name, capacity=end.capacity)
-    end, child_fd = pipe.PipeChannel.create(role)
-    return end, ChannelSpec(BACKEND_PIPE, other, fd=child_fd, capacity=end.capacity)
+        end = shm.ShmChannel.create(name, role, capacity=capacity, spin_us=spin, max_message=limit)
+        return end, ChannelSpec(BACKEND_NATIVE, other, name=name, capacity=end.capacity, max_message=given)
+    end, child_fd = pipe.PipeChannel.create(role, max_message=limit)
+    return end, ChannelSpec(BACKEND_PIPE, other, fd=child_fd, capacity=end.capacity, max_message=given)
 
 
 def open_channel(spec: ChannelSpec) -> Channel:
@@ -199,17 +216,20 @@ def open_channel(spec: ChannelSpec) -> Channel:
                 "dtorch_core._native does not import in this process "
                 f"({native_unavailable_reason()})"
             )
-        return shm.ShmChannel.open(spec.name, spec.role, spin_us=_spin_us())
+        return shm.ShmChannel.open(spec.name, spec.role, spin_us=_spin_us(),
+                                   max_message=spec.max_message or None)
     if spec.backend == BACKEND_PIPE:
-        return pipe.PipeChannel(spec.fd, spec.role)
+        return pipe.PipeChannel(spec.fd, spec.role, max_message=spec.max_message or None)
     raise ChannelBackendError(f"unknown channel backend {spec.backend!r} in {spec!r}")
 
 
 def local_channel(
-    *, backend: str | None = None, capacity: int = DEFAULT_CAPACITY, spin_us: float | None = None
+    *, backend: str | None = None, capacity: int = DEFAULT_CAPACITY, spin_us: float | None = None,
+    max_message: int | None = None,
 ) -> tuple[Channel, Channel]:
     """Both ends of one channel in this process: ``(sender, receiver)`` (tests, threads)."""
-    sender, spec = create_channel("send", backend=backend, capacity=capacity, spin_us=spin_us)
+    sender, spec = create_channel("send", backend=backend, capacity=capacity, spin_us=spin_us,
+                                  max_message=max_message)
     receiver = open_channel(spec)
     detach = getattr(sender, "_disown_child_end", None)
     if detach is not None:

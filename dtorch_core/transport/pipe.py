@@ -5,6 +5,11 @@ waits go through ``poll`` (in 50 ms slices, so a ``close()`` from another thread
 ends them too); the kernel reports the other side's exit as end-of-file (receiver) or EPIPE
 (sender), which become :class:`ChannelClosedError`. The pipe is enlarged to 1 MiB where the
 system allows it (``/proc/sys/fs/pipe-max-size``) so batches rarely block.
+
+The writer is not trusted: a frame length over the message limit (``DTORCH_MAX_MESSAGE_BYTES``,
+default 64 GiB) closes this end with :class:`ChannelCorruptError` before anything is allocated,
+and a large frame's buffer grows only as its bytes arrive (a lying length allocates nothing it
+is not sent). ``send`` refuses a message over the limit with ChannelMessageTooLargeError.
 """
 
 from __future__ import annotations
@@ -17,7 +22,16 @@ import threading
 import time
 from typing import Any
 
-from .base import BACKEND_PIPE, Channel, ChannelClosedError, ChannelTimeoutError, Role
+from .base import (
+    BACKEND_PIPE,
+    Channel,
+    ChannelClosedError,
+    ChannelTimeoutError,
+    Role,
+    frame_too_large,
+    max_message_bytes,
+    too_large,
+)
 
 _HEADER = struct.Struct("<Q")
 _HEADER_SIZE = _HEADER.size
@@ -25,6 +39,8 @@ _HEADER_SIZE = _HEADER.size
 _JOIN_LIMIT = 64 * 1024
 # Bytes asked of each read (stays below glibc's mmap threshold, so reads allocate cheaply).
 _READ_CHUNK = 64 * 1024
+# A large frame is read into pieces of this size, each allocated when its bytes are due.
+_LARGE_PIECE = 16 << 20
 _PIPE_SIZE = 1 << 20
 _SLICE_MS = 50
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
@@ -55,21 +71,23 @@ class PipeChannel(Channel):
     backend = BACKEND_PIPE
 
     @classmethod
-    def create(cls, role: Role) -> tuple[PipeChannel, int]:
+    def create(cls, role: Role, *, max_message: int | None = None) -> tuple[PipeChannel, int]:
         """A new pipe: this process's ``role`` end and the descriptor of the other end."""
         read_fd, write_fd = os.pipe()
         size = _grow_pipe(write_fd)
         if role == "send":
-            return cls(write_fd, "send", child_fd=read_fd, capacity=size), read_fd
-        return cls(read_fd, "recv", child_fd=write_fd, capacity=size), write_fd
+            return cls(write_fd, "send", child_fd=read_fd, capacity=size, max_message=max_message), read_fd
+        return cls(read_fd, "recv", child_fd=write_fd, capacity=size, max_message=max_message), write_fd
 
-    def __init__(self, fd: int, role: Role, *, child_fd: int = -1, capacity: int = 0):
+    def __init__(self, fd: int, role: Role, *, child_fd: int = -1, capacity: int = 0,
+                 max_message: int | None = None):
         if role not in ("send", "recv"):
             raise ValueError(f"role must be 'send' or 'recv', not {role!r}")
         if fd < 0:
             raise ValueError("a pipe channel needs an open file descriptor")
         self.role: Role = role
         self.capacity = capacity
+        self.max_message = max_message_bytes(max_message)
         self._fd = fd
         self._child_fd = child_fd  # the other end's descriptor, until the child has it
         self._closing = False
@@ -97,6 +115,8 @@ class PipeChannel(Channel):
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
         n = view.nbytes
+        if n > self.max_message:
+            raise too_large(n, self.max_message)
         with self._lock:
             fd = self._fd
             if fd < 0 or self._closing:
@@ -186,6 +206,8 @@ class PipeChannel(Channel):
         if len(buf) - pos < _HEADER_SIZE:
             return None
         (n,) = _HEADER.unpack_from(buf, pos)
+        if n > self.max_message:
+            raise self._corrupt(n)
         end = pos + _HEADER_SIZE + n
         if end > len(buf):
             return None
@@ -211,28 +233,45 @@ class PipeChannel(Channel):
                     return self._read_large(n)
             self._read_some(None)
 
-    def _read_large(self, n: int) -> bytes:
-        """Read a big frame whose header is buffered straight into its own buffer."""
-        out = bytearray(n)
-        start = self._pos + _HEADER_SIZE
-        have = len(self._buf) - start
-        out[:have] = memoryview(self._buf)[start:]
+    def _corrupt(self, n: int) -> ChannelClosedError:
+        """A frame over the limit: close this end (the lock is held) and say why."""
+        self._closing = True
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         self._buf.clear()
         self._pos = 0
-        with memoryview(out) as view:
-            while have < n:
-                try:
-                    got = os.readv(self._fd, [view[have:]])
-                except BlockingIOError:
-                    self._wait(None)
-                    continue
-                if got == 0:
-                    raise ChannelClosedError(
-                        "pipe channel: the writer closed the pipe in the middle of a message "
-                        "(its process exited or it called close())"
-                    )
-                have += got
-        return bytes(out)
+        return frame_too_large("pipe", n, self.max_message)
+
+    def _read_large(self, n: int) -> bytes:
+        """Read a big frame whose header is buffered, in pieces allocated as its bytes arrive."""
+        start = self._pos + _HEADER_SIZE
+        pieces = [bytes(memoryview(self._buf)[start:])]
+        have = len(pieces[0])
+        self._buf.clear()
+        self._pos = 0
+        while have < n:
+            piece = bytearray(min(_LARGE_PIECE, n - have))
+            filled = 0
+            with memoryview(piece) as view:
+                while filled < len(piece):
+                    try:
+                        got = os.readv(self._fd, [view[filled:]])
+                    except BlockingIOError:
+                        self._wait(None)
+                        continue
+                    if got == 0:
+                        raise ChannelClosedError(
+                            "pipe channel: the writer closed the pipe in the middle of a message "
+                            "(its process exited or it called close())"
+                        )
+                    filled += got
+            pieces.append(piece)
+            have += filled
+        return b"".join(pieces)
 
     def _read_some(self, deadline: float | None) -> bool:
         """Append at least one byte to the buffer; False if the deadline passed first."""

@@ -14,11 +14,15 @@ from .base import (
     DEFAULT_SPIN_US,
     Channel,
     ChannelClosedError,
+    ChannelCorruptError,
+    ChannelMessageTooLargeError,
     ChannelTimeoutError,
     Role,
+    max_message_bytes,
 )
 
-_native.set_error_types(ChannelClosedError, ChannelTimeoutError)
+_native.set_error_types(ChannelClosedError, ChannelTimeoutError, ChannelCorruptError,
+                        ChannelMessageTooLargeError)
 
 
 class ShmChannel(Channel):
@@ -35,6 +39,7 @@ class ShmChannel(Channel):
         self.role: Role = ring.role
         self.name: str = ring.name
         self.capacity: int = ring.capacity
+        self.max_message: int = ring.max_message
         self.send = ring.send
         self.recv = ring.recv
         self.try_recv = ring.try_recv
@@ -47,14 +52,21 @@ class ShmChannel(Channel):
         *,
         capacity: int = DEFAULT_CAPACITY,
         spin_us: float = DEFAULT_SPIN_US,
+        max_message: int | None = None,
     ) -> ShmChannel:
-        """Create the shared-memory object ``name`` and return its ``role`` end."""
-        return cls(_native.ShmChannel(name, role, True, capacity, spin_us))
+        """Create the shared-memory object ``name`` and return its ``role`` end.
+
+        ``max_message``: the longest message this end sends or accepts (default
+        ``DTORCH_MAX_MESSAGE_BYTES`` or 64 GiB)."""
+        limit = max_message_bytes(max_message)
+        return cls(_native.ShmChannel(name, role, True, capacity, spin_us, limit))
 
     @classmethod
-    def open(cls, name: str, role: Role, *, spin_us: float = DEFAULT_SPIN_US) -> ShmChannel:
+    def open(
+        cls, name: str, role: Role, *, spin_us: float = DEFAULT_SPIN_US, max_message: int | None = None
+    ) -> ShmChannel:
         """Open the ``role`` end of an existing channel (unlinks its name: both ends hold it)."""
-        return cls(_native.ShmChannel(name, role, False, 0, spin_us))
+        return cls(_native.ShmChannel(name, role, False, 0, spin_us, max_message_bytes(max_message)))
 
     def close(self) -> None:
         self._ring.close()
