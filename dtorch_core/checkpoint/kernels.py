@@ -86,7 +86,7 @@ def open_data_file(directory: str, file: str):
 
 def check_piece(f, name: str, dtype: torch.dtype, shape: tuple) -> None:
     """Raise ValueError unless the open file ``f`` holds ``name`` with exactly ``dtype`` and ``shape``."""
-    if name not in f.keys():
+    if name not in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
         raise ValueError(f"has no tensor {name!r}")
     piece = f.get_slice(name)
     saved_dtype, saved_shape = SAFETENSORS_DTYPES.get(piece.get_dtype()), tuple(piece.get_shape())

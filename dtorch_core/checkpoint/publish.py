@@ -58,8 +58,7 @@ def _is_complete(directory: Path) -> bool:
     return (directory / INDEX_NAME).is_file()
 
 
-DIR_MODE = 0o755
-FILE_MODE = 0o644
+DIR_MODE = 0o755  # less the umask; data files are 0644 likewise (kernels.fsync_path, index.write_index)
 
 
 def umask() -> int:
@@ -84,7 +83,7 @@ def make_dirs(path: Path) -> None:
         path = path.parent
     for p in reversed(missing):
         try:
-            os.mkdir(p, DIR_MODE & ~0o022)
+            os.mkdir(p, DIR_MODE)
         except FileExistsError:
             pass
 

@@ -237,7 +237,7 @@ def _optimizer_targets(model, optimizer, index, dests: dict) -> Callable[[], Non
     limit = max(1, sum(p.numel() for p in by_name.values()))
     hyper = [{k: _decode(v, group.get(k), f"optim.param_groups[{i}].{k}") for k, v in saved.items() if k not in _GROUP_SKIP}
              for i, (group, saved) in enumerate(zip(optimizer.param_groups, index.optimizer["param_groups"]))]
-    plan = {}  # parameter -> {state key: decoded value, or (key, entry, reused tensor or None)}
+    plan = {}  # parameter -> {state key: its decoded value, or a _Pending tensor}
     for name, keys in index.optimizer["state"].items():
         if name not in by_name:
             raise CheckpointCorruptError(

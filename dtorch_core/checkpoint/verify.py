@@ -72,13 +72,13 @@ def check_tiling(key: str, entry: TensorEntry, index: CheckpointIndex) -> None:
             raise bad(f"include a region of {len(piece.region)} dims (piece {i})")
         for d, ((offset, length), n) in enumerate(zip(piece.region, shape)):
             if offset < 0 or length < 0 or offset + length > n:
-                raise bad(f"include rows {offset}..{offset + length} of dim {d}, outside 0..{n} (piece {i})")
+                raise bad(f"include indices {offset}..{offset + length} of dim {d}, outside 0..{n} (piece {i})")
     covered = sum(numel(p.region) for p in entry.pieces)
     total = numel(tuple((0, n) for n in shape))
     _check_disjoint(entry.pieces, bad)
     # disjoint and inside the bounds: they tile the shape exactly when they hold as many elements
     if covered != total:
-        raise bad(f"hold {covered} elements, the shape has {total}: rows are missing")
+        raise bad(f"hold {covered} elements, the shape has {total}: part of it is in no piece")
 
 
 def _check_disjoint(pieces, bad) -> None:
