@@ -24,6 +24,12 @@ KIND_REPLY = 2  # a Reply
 _KIND_NAMES = {KIND_VALUE: "value", KIND_BATCH: "batch", KIND_REPLY: "reply"}
 
 MAX_DEPTH = 64  # nesting of containers and objects
+# The decoder makes at most one container (list, non-empty tuple, dict, object, string, bytes,
+# slice, device, Size) per CONTAINER_BYTES bytes of body, plus CONTAINER_ALLOWANCE: a message
+# cannot inflate into more than a small multiple of its size (an empty list is one byte on the
+# wire and ~70 in memory). The encoder never writes denser messages than real batches need.
+CONTAINER_BYTES = 4
+CONTAINER_ALLOWANCE = 4096
 MAX_NDIM = 64
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1

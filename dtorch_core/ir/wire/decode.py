@@ -15,6 +15,8 @@ from .codes import (
     _FORMAT_BY_CODE,
     _INSTRUCTION_TYPES,
     _LAYOUT_BY_CODE,
+    CONTAINER_ALLOWANCE,
+    CONTAINER_BYTES,
     HEADER_SIZE,
     KIND_BATCH,
     KIND_REPLY,
@@ -69,12 +71,22 @@ def _decode_body(body: bytes, blob: memoryview):
     end = len(body)
     memo: list = []  # strings and flat tuples, in the order they were defined
     data_pos = 0
+    # containers still allowed (see CONTAINER_BYTES): a message of empty lists cannot inflate
+    room = end // CONTAINER_BYTES + CONTAINER_ALLOWANCE
     classes = _CLASS_BY_CODE
     unpack_h = _unpack_h
     unpack_i = _unpack_i
 
     def fail(msg, pos):
         raise WireError(f"{msg} at offset {HEADER_SIZE + pos}")
+
+    def too_many(pos):
+        fail(
+            f"the message decodes to more than {end // CONTAINER_BYTES + CONTAINER_ALLOWANCE} containers "
+            f"(at most one per {CONTAINER_BYTES} body bytes plus {CONTAINER_ALLOWANCE}; the body has {end} "
+            f"bytes): it would inflate in memory, so it is refused",
+            pos,
+        )
 
     def truncated(pos):
         if pos >= end:
@@ -86,13 +98,22 @@ def _decode_body(body: bytes, blob: memoryview):
     # pickle's speed.
     def items(p, n, depth, what, pos):
         """``n`` values from ``p``, as a list."""
+        nonlocal room
         if n > end - p:  # every value takes a byte at least: a larger count is a lie
             fail(f"{what} of {n} values runs past the end of the body ({end - p} bytes left)", pos)
         if n and depth >= MAX_DEPTH:
             fail(f"{what} nests deeper than {MAX_DEPTH} levels", pos)
+        room -= 1
+        if room < 0:
+            too_many(pos)
         out = []
         add = out.append
         d1 = depth + 1
+        if d1 >= MAX_DEPTH:  # the values are at the deepest level: dec checks each one
+            for _ in range(n):
+                v, p = dec(p, d1)
+                add(v)
+            return out, p
         for _ in range(n):
             b = body[p]
             if b < 0x80:
@@ -123,15 +144,21 @@ def _decode_body(body: bytes, blob: memoryview):
         return out, p
 
     def dec(pos, depth):
+        nonlocal room
         try:
             b = body[pos]
             if b < 0x80:
                 return b, pos + 1
             if b < 0x90:  # short tuple
                 n = b & 0x0F
+                if not n:
+                    return (), pos + 1
                 p = pos + 1
                 chunk = body[p : p + n]
-                if chunk.isascii() and len(chunk) == n:  # small ints only
+                if chunk.isascii() and len(chunk) == n and depth < MAX_DEPTH:  # small ints only
+                    room -= 1
+                    if room < 0:
+                        too_many(pos)
                     return tuple(chunk), p + n
                 out, p = items(p, n, depth, "tuple", pos)
                 return tuple(out), p
@@ -146,6 +173,8 @@ def _decode_body(body: bytes, blob: memoryview):
                 return unpack_h(body, pos + 1)[0], pos + 3
             if b == 0xDA:
                 n = body[pos + 1]
+                if n and depth >= MAX_DEPTH:
+                    fail(f"tuple nests deeper than {MAX_DEPTH} levels", pos)
                 return _UNPACK_I32[n](body, pos + 2), pos + 2 + 4 * n
             if b >= 0xF0:
                 code = b & 0x0F
@@ -167,10 +196,14 @@ def _decode_body(body: bytes, blob: memoryview):
                 fail(f"{info.cls.__name__} nests deeper than {MAX_DEPTH} levels", pos)
             if count > end - p:
                 fail(f"{info.cls.__name__} of {count} fields runs past the end of the body", pos)
+            if code:  # a Slot (3 bytes) is not counted: its inflation is bounded by its size
+                room -= 1
+                if room < 0:
+                    too_many(pos)
             values = []
             add = values.append
             d1 = depth + 1
-            for _ in range(count):
+            for _ in range(count if d1 < MAX_DEPTH else 0):
                 b = body[p]
                 if b < 0x80:
                     add(b)
@@ -197,6 +230,10 @@ def _decode_body(body: bytes, blob: memoryview):
                 else:
                     v, p = dec(p, d1)
                     add(v)
+            if d1 >= MAX_DEPTH:  # the fields are at the deepest level: dec checks each one
+                for _ in range(count):
+                    v, p = dec(p, d1)
+                    add(v)
             types = tuple(map(type, values))
             if types not in info.accepted:
                 check_fields(info, values, pos)
@@ -212,7 +249,7 @@ def _decode_body(body: bytes, blob: memoryview):
 
     def other(b, pos, depth):
         """Every tag but the hot ones in ``dec``."""
-        nonlocal data_pos
+        nonlocal data_pos, room
         try:
             if b < 0xA0:
                 return items(pos + 1, b & 0x0F, depth, "list", pos)
@@ -232,6 +269,8 @@ def _decode_body(body: bytes, blob: memoryview):
                 return unpack_i(body, pos + 1)[0], pos + 5
             if b == 0xDB:
                 n = body[pos + 1]
+                if n and depth >= MAX_DEPTH:
+                    fail(f"tuple nests deeper than {MAX_DEPTH} levels", pos)
                 return _UNPACK_I64[n](body, pos + 2), pos + 2 + 8 * n
             if b == 0xC4:
                 return _unpack_b(body, pos + 1)[0], pos + 2
@@ -252,6 +291,9 @@ def _decode_body(body: bytes, blob: memoryview):
                     fail(f"unknown dtype code {code}", pos + 1)
                 return d, pos + 2
             if b == 0xD8:  # a tensor record: its bytes are the next ones of the data section
+                room -= 1
+                if room < 0:
+                    too_many(pos)
                 t, p, data_pos = _read_tensor(body, pos, blob, data_pos, fail)
                 return t, p
             if b == 0xCC:
@@ -275,6 +317,9 @@ def _decode_body(body: bytes, blob: memoryview):
                 n = _unpack_u32(body, pos + 1)[0]
                 if n > end - pos - 5:
                     fail(f"bytes of length {n} run past the end of the body ({end - pos - 5} bytes left)", pos)
+                room -= 1
+                if room < 0:
+                    too_many(pos)
                 return body[pos + 5 : pos + 5 + n], pos + 5 + n
             if b == 0xD1:
                 t = body[pos + 1]
@@ -291,11 +336,17 @@ def _decode_body(body: bytes, blob: memoryview):
             if b == 0xD2:
                 if depth >= MAX_DEPTH:
                     fail(f"slice nests deeper than {MAX_DEPTH} levels", pos)
+                room -= 1
+                if room < 0:
+                    too_many(pos)
                 start, p = dec(pos + 1, depth + 1)
                 stop, p = dec(p, depth + 1)
                 step, p = dec(p, depth + 1)
                 return slice(start, stop, step), p
             if b == 0xD4:
+                room -= 1
+                if room < 0:
+                    too_many(pos)
                 return device(pos, depth)
             if b == 0xD5:
                 code = body[pos + 1]
@@ -312,8 +363,12 @@ def _decode_body(body: bytes, blob: memoryview):
             truncated(pos)
 
     def new_str(p, n):
+        nonlocal room
         if n > end - p:
             fail(f"string of {n} bytes runs past the end of the body ({end - p} bytes left)", p)
+        room -= 1
+        if room < 0:
+            too_many(p)
         try:
             s = body[p : p + n].decode("utf-8", "surrogatepass")
         except UnicodeDecodeError as exc:
@@ -322,10 +377,14 @@ def _decode_body(body: bytes, blob: memoryview):
         return s, p + n
 
     def mapping(p, n, depth, pos):
+        nonlocal room
         if 2 * n > end - p:
             fail(f"dict of {n} entries runs past the end of the body ({end - p} bytes left)", pos)
         if n and depth >= MAX_DEPTH:
             fail(f"dict nests deeper than {MAX_DEPTH} levels", pos)
+        room -= 1
+        if room < 0:
+            too_many(pos)
         out = {}
         for _ in range(n):
             kpos = p
