@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import torch
 
-from ..errors import CheckpointCorruptError, CheckpointError, CheckpointIncompleteError
+from ..errors import CheckpointCorruptError, CheckpointError, CheckpointIncompleteError, CheckpointIOError
 from ..placement import Partial, Replicate, Shard
 from . import schema as sc
 from .layout import Region
@@ -181,6 +181,9 @@ def read_index(directory: Path) -> CheckpointIndex:
         st = os.lstat(target)
     except FileNotFoundError:
         st = None
+    except OSError as exc:
+        raise CheckpointIOError(f"cannot read {target} ({exc}); check the directory's permissions", rank=None,
+                                file=str(target)) from exc
     if st is None or stat.S_ISDIR(st.st_mode):
         raise CheckpointIncompleteError(
             f"{directory} has no {INDEX_NAME}: it is not a complete dtorch checkpoint (a save that was "

@@ -19,7 +19,11 @@ import stat
 from collections import defaultdict
 from pathlib import Path
 
-from ..errors import CheckpointCorruptError, CheckpointIncompleteError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointIncompleteError,
+    CheckpointIOError,
+)
 from .index import CheckpointIndex, TensorEntry, read_index
 from .kernels import check_piece, open_data_file
 from .layout import intersect, numel
@@ -42,6 +46,9 @@ def check_files(directory: Path, index: CheckpointIndex) -> None:
             st = os.lstat(directory / name)
         except FileNotFoundError:
             raise CheckpointIncompleteError(f"checkpoint {directory} is incomplete: {name} is missing") from None
+        except OSError as exc:
+            raise CheckpointIOError(f"cannot read {directory / name} ({exc}); check its permissions", rank=None,
+                                    file=str(directory / name)) from exc
         if not stat.S_ISREG(st.st_mode):
             kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
             raise CheckpointCorruptError(
