@@ -3,7 +3,10 @@
 It keeps a TensorStore (tensor id -> local tensor, or a WorkerFailure that records why the
 tensor is missing). A failing kernel marks its outputs failed and the worker keeps serving; the
 failure travels with the data (every op that uses a failed tensor fails the same way) and is
-reported when the controller reads an affected tensor.
+reported when the controller reads an affected tensor. An invalid instruction (``validate.py``:
+checked before it runs, or failing with an error of bad data while it runs) is skipped, its
+outputs marked failed and reported to the controller as a protocol error; the worker keeps
+serving.
 
 Collective instructions are in ``collectives.py``, programs (define, expand a replay) in
 ``programs.py``: :class:`Worker` takes their methods from the mixins there.
@@ -39,6 +42,7 @@ from .graphs import replay_graphed
 from .fused import FusedSegment, build_graph, compile_segment, unalias
 from .programs import BindInputs, NameOutputs, WorkerPrograms
 from .streams import WorkerStreams
+from .validate import CHECKED, INVALID, PROTOCOL, describe, outputs_of, problem
 
 log = structlog.get_logger(__name__)
 
@@ -97,8 +101,10 @@ def _has_slot(x) -> bool:
 
 
 class Worker(WorkerCollectives, WorkerPrograms):
-    def __init__(self, rank: int, device: torch.device, kernels, exchange, reply, streams=None):
+    def __init__(self, rank: int, device: torch.device, kernels, exchange, reply, streams=None,
+                 world_size: int | None = None):
         self.rank = rank
+        self.world_size = world_size  # when known: DefineMesh ranks are checked against it
         self.device = device
         self.kernels = kernels
         self.exchange = exchange
@@ -121,13 +127,30 @@ class Worker(WorkerCollectives, WorkerPrograms):
     # -- stream ---------------------------------------------------------------------------
     def run_batch(self, batch) -> None:
         for ins in batch:
-            if type(ins) is RunProgram:
-                if self.streams.can_capture and replay_graphed(self, ins):
-                    continue
-                for step in self.expand_program(ins):
-                    self.execute(step)
-            else:
-                self.execute(ins)
+            try:
+                t = type(ins)
+                if t in CHECKED:
+                    bad = problem(self, ins)
+                    if bad is not None:
+                        self.reject(ins, describe(ins, message=bad))
+                        continue
+                if t is RunProgram:
+                    if self.streams.can_capture and replay_graphed(self, ins):
+                        continue
+                    for step in self.expand_program(ins):
+                        self.execute(step)
+                else:
+                    self.execute(ins)
+            except INVALID as exc:  # decodable but invalid: skip it, report it, keep serving
+                self.reject(ins, describe(ins, exc))
+
+    def reject(self, ins, message: str) -> None:
+        """Skip ``ins``: its outputs fail with ``message``, which also goes to the controller."""
+        self.log.warning("rejected an instruction", instruction=type(ins).__name__, problem=message)
+        failure = WorkerFailure(self.rank, f"rejected {type(ins).__name__}", getattr(ins, "source", None)
+                                if type(getattr(ins, "source", None)) in (tuple, str) else None, message)
+        self._fail(outputs_of(ins), failure)
+        self.reply(Reply(PROTOCOL, self.rank, error=failure))
 
     def execute(self, ins) -> None:
         t = type(ins)
