@@ -147,8 +147,10 @@ class Worker(WorkerCollectives, WorkerPrograms):
     def reject(self, ins, message: str) -> None:
         """Skip ``ins``: its outputs fail with ``message``, which also goes to the controller."""
         self.log.warning("rejected an instruction", instruction=type(ins).__name__, problem=message)
-        failure = WorkerFailure(self.rank, f"rejected {type(ins).__name__}", getattr(ins, "source", None)
-                                if type(getattr(ins, "source", None)) in (tuple, str) else None, message)
+        source = getattr(ins, "source", None)  # a Call's (file, line) in the user's code
+        if type(source) not in (tuple, str):
+            source = None
+        failure = WorkerFailure(self.rank, f"rejected {type(ins).__name__}", source, message)
         self._fail(outputs_of(ins), failure)
         self.reply(Reply(PROTOCOL, self.rank, error=failure))
 
