@@ -31,17 +31,12 @@ def dispatch(func, args, kwargs):
         key = (func, _key_of(args, inputs), _key_of(tuple(kwargs.values()), inputs), tuple(kwargs))
     else:
         key = (func, _key_of(args, inputs))
-    # session_of inlined: this is the hot path of every op
-    session = None
-    for x in inputs:
-        if type(x) is DTensor:
-            s = x._handle.session
-            if s is not session:
-                if session is not None:
-                    session_of(func, inputs)  # raises: two sessions
-                session = s
-    if session is None or session.closed:
-        session = session_of(func, inputs)  # raises with the reason
+    # the first input's session; the plan checks that every other input has the same one
+    # (DirectPlan.run), so the hot path reads each handle once
+    first = inputs[0] if inputs else None
+    session = first._handle.session if type(first) is DTensor else session_of(func, inputs)
+    if session.closed:
+        session_of(func, inputs)  # raises, naming the reason
     plan = session.plans.get(key)
     if plan is None:
         plan = session.plans[key] = build_plan(session, func, args, kwargs, inputs)

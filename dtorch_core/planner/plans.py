@@ -12,7 +12,7 @@ from typing import Callable
 
 import attrs
 
-from ..errors import OpError
+from ..errors import OpError, SessionError
 from ..ir.instructions import Call, DefinePlan
 from ..mesh import DeviceMesh
 from ..tensor import DTensor, Handle
@@ -44,6 +44,9 @@ class DirectPlan:
     def run(self, session, args, kwargs, inputs):
         if self.simple:
             return self._run_simple(session, inputs)
+        for x in inputs:
+            if type(x) is DTensor and x._handle.session is not session:
+                raise mixed_sessions(self.op_name)
         for i in self.writes:
             x = inputs[i]
             self._check_writable(x, i in dict(self.rebind))
@@ -119,6 +122,9 @@ class DirectPlan:
             )
 
     def _run_simple(self, session, inputs):
+        tids = tuple([h.tid for x in inputs if (h := x._handle).session is session])
+        if len(tids) != len(inputs):
+            raise mixed_sessions(self.op_name)
         outs = []
         out_tids = []
         new_tid = session.new_tid
@@ -130,13 +136,18 @@ class DirectPlan:
         session.emit(
             Call(
                 self.plan_id,
-                tuple([x._handle.tid for x in inputs]),
+                tids,
                 tuple(out_tids),
                 user_source() if session.track_source else None,
                 session.next_seed() if self.seeded else None,
             )
         )
         return self.rebuild(outs)
+
+
+def mixed_sessions(op_name: str) -> SessionError:
+    return SessionError(f"{op_name}: its inputs come from different dtorch sessions; a tensor belongs to the "
+                        "session that made it (dt.init starts a new one and ends the old)")
 
 
 # Reductions of a Partial tensor are kept for reuse; gathers are not (a kept gathered copy of a

@@ -8,8 +8,8 @@ from dtorch_core.comm.kinds import Communicator
 from .inprocess import CudaInProcessExchange
 from .streams import CudaStreams
 
-# Headers (flags, dtypes, shapes) are CPU tensors and go through gloo, so a worker never waits
-# for its GPU to learn its peers' shapes; payloads are CUDA tensors and go through NCCL.
+# Payloads are CUDA tensors and go through NCCL (their shapes come in the instruction, so nothing
+# is exchanged before them); CPU tensors a worker exchanges go through gloo.
 DIST_BACKEND = "cpu:gloo,cuda:nccl"
 
 
