@@ -5,13 +5,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-import os
 
 import structlog
 import torch
 
 from .controller import session as _session_mod
-from .controller.session import Session, current_session, timeout_from_env
+from .controller.session import Session, current_session, setting
 from .errors import PlacementError
 from .logging import ensure_configured
 from .mesh import DeviceMesh, register_root, root_coordinate
@@ -40,14 +39,16 @@ def init(world_size: int | None = None, *, runner: str | None = None, device_typ
     ensure_configured()
     if _session_mod._session is not None:
         shutdown()
-    runner = runner or os.environ.get("DTORCH_RUNNER", "thread")
-    world_size = int(world_size or os.environ.get("DTORCH_WORLD_SIZE", 1))
-    if world_size < 1:
-        raise PlacementError(f"world_size must be >= 1, got {world_size}")
-    if strict is None:
-        strict = os.environ.get("DTORCH_STRICT", "") not in ("", "0")
-    timeout = timeout_from_env() if timeout is None else float(timeout)
+    # one validation for every setting, argument or environment variable (ConfigError names it)
+    world_size = setting("world_size", world_size, "DTORCH_WORLD_SIZE", 1, "int", minimum=1,
+                         overridden_by="`dtorch run --world-size`")
+    strict = setting("strict", strict, "DTORCH_STRICT", False, "flag", overridden_by="`dtorch run --strict`")
+    timeout = setting("timeout", timeout, "DTORCH_TIMEOUT", 300.0, "seconds",
+                      overridden_by="`dtorch run --timeout`")
     plugins = get_plugins()  # resolved once here; the runner and the session get what they need
+    runner = setting("runner", runner, "DTORCH_RUNNER", "thread", "name",
+                     choices=[str(n) for n in plugins.registry("runners").names()],
+                     overridden_by="`dtorch run --runner`")
     make_runner = plugins.registry("runners").get(runner)
     runner_obj = make_runner(world_size, device_type=device_type, timeout=timeout, plugins=plugins, **options)
     session = Session(runner_obj, ops=plugins.registry("ops"), kernels=plugins.registry("kernels"),

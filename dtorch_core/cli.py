@@ -209,14 +209,15 @@ class RunCommand:
         parser.description = (
             "Run SCRIPT as `python SCRIPT ARGS...` would, with DTORCH_RUNNER and DTORCH_WORLD_SIZE "
             "set so that the script's dt.init() uses them (explicit arguments to dt.init() still "
-            "win). dt.shutdown() is called when the script ends, also on errors."
+            "win, with a warning when they differ). dt.shutdown() is called when the script ends, "
+            "also on errors."
         )
         parser.add_argument("--runner", help="runner name (see `dtorch info`); sets DTORCH_RUNNER")
         parser.add_argument("--world-size", type=_positive_int, metavar="N",
                             help="number of devices; sets DTORCH_WORLD_SIZE")
         parser.add_argument("--strict", action="store_true",
                             help="ops without a sharding rule raise instead of running replicated")
-        parser.add_argument("--timeout", type=float, metavar="SECONDS",
+        parser.add_argument("--timeout", type=_positive_seconds, metavar="SECONDS",
                             help="how long a read waits for the workers; sets DTORCH_TIMEOUT")
         parser.add_argument("script", help="path of the Python script to run")
         parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -244,9 +245,22 @@ class RunCommand:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
     return value
 
 

@@ -108,3 +108,8 @@ class CheckpointCorruptError(CheckpointError):
     def __init__(self, message: str, *, entry: str | None = None):
         super().__init__(message)
         self.entry = entry
+
+
+class ConfigError(DTorchError, ValueError):
+    """A setting (an argument of ``dt.init``, an environment variable, a command-line option)
+    has a value it cannot take; the message names the setting and the values it accepts."""

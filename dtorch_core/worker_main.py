@@ -1,15 +1,16 @@
-"""Entry point of a ``process`` runner worker: ``python -m dtorch_core.worker_main CONFIG``.
+"""Entry point of a ``process`` runner worker (runners/spawn.py starts it with ``--config-fd FD``).
 
-CONFIG is JSON written by the controller (rank, world size, rendezvous port, channel specs).
-The worker takes its device (the streams registered for the device type pick it), joins the
-torch.distributed group of its communicator, then executes batches until it is told to stop,
-its channel closes, or its controller disappears.
+The configuration is JSON the controller writes into an inherited pipe (rank, world size, the
+FileStore rendezvous, channel specs). The worker takes its device (the streams registered for
+the device type pick it), joins the torch.distributed group of its communicator, then executes
+batches until it is told to stop, its channel closes, or its controller disappears. A worker
+whose controller is gone exits quietly: one log line at most, no traceback.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
-import json
 import os
 import signal
 import sys
@@ -18,20 +19,72 @@ import time
 from datetime import timedelta
 
 
+PR_SET_PDEATHSIG = 1
+CONTROLLER_GONE = 3  # exit status of a worker whose controller disappeared
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process the moment its parent's thread ends (Linux): all
+    workers go at once, before a peer's broken connection can make gloo complain."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the watcher thread below still ends the worker
+
+
+def controller_gone(parent_pid: int, why: str = "") -> None:
+    """Exit at once and quietly (one line on stderr): nobody is left to report to."""
+    try:
+        os.write(2, f"dtorch worker (pid {os.getpid()}): controller {parent_pid} is gone{why}; exiting\n".encode())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)  # nothing else from this process: no traceback, no gloo complaint
+        os.dup2(devnull, 1)
+    except OSError:
+        pass
+    os._exit(CONTROLLER_GONE)
+
+
 def _watch_parent(parent_pid: int) -> None:
     # a worker must not outlive its controller, however the controller ended (even SIGKILL)
     while True:
         if os.getppid() != parent_pid:
-            os._exit(3)
+            controller_gone(parent_pid)
         time.sleep(0.25)
 
 
 def main(argv=None) -> int:
-    config = json.loads((argv or sys.argv)[1])
+    from .runners.spawn import read_config
+
+    config = read_config(list(argv or sys.argv))
+    parent_pid = config["parent_pid"]
+    if config.get("die_with_parent"):
+        _die_with_parent()
+    if os.getppid() != parent_pid:  # it ended before we asked
+        controller_gone(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the controller, which stops us
     if config.get("nice"):
         os.nice(int(config["nice"]))
-    threading.Thread(target=_watch_parent, args=(config["parent_pid"],), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        return _serve(config)
+    except BaseException as exc:
+        if os.getppid() != parent_pid or _is_channel_closed(exc):
+            controller_gone(parent_pid, f" ({type(exc).__name__})")
+        raise
+
+
+def _is_channel_closed(exc: BaseException) -> bool:
+    from .transport.base import ChannelClosedError
+
+    while exc is not None:
+        if isinstance(exc, ChannelClosedError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _serve(config: dict) -> int:
 
     import structlog
     import torch
@@ -57,7 +110,7 @@ def main(argv=None) -> int:
     streams.claim_process()  # before the process group: NCCL binds to the current device
     dist.init_process_group(
         config["backend"],
-        init_method=f"tcp://127.0.0.1:{config['master_port']}",
+        init_method=config["init_method"],
         rank=rank,
         world_size=config["world_size"],
         timeout=timedelta(seconds=float(config["timeout"])),
@@ -80,6 +133,8 @@ def main(argv=None) -> int:
             data = rx.recv(None)
         except Exception as exc:  # the controller closed the channel: nothing left to do
             log.debug("channel closed", error=repr(exc))
+            if os.getppid() != config["parent_pid"]:
+                controller_gone(config["parent_pid"])
             break
         if data == SHUTDOWN:
             break

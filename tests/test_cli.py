@@ -47,6 +47,7 @@ def dtorch(*args, env=None, console_script=False, timeout=240) -> subprocess.Com
 @pytest.fixture
 def clean_env(monkeypatch):
     """In-process runs of main(): env vars it sets and the session it leaves are undone."""
+    saved = {name: os.environ.get(name) for name in DTORCH_VARS}
     for name in DTORCH_VARS:
         monkeypatch.delenv(name, raising=False)
     dt.shutdown()
@@ -54,6 +55,11 @@ def clean_env(monkeypatch):
     yield monkeypatch
     dt.shutdown()
     monkeypatch.undo()
+    for name, value in saved.items():  # main() sets some itself (`run --world-size`): undo those too
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     reset_plugins()
 
 
@@ -189,6 +195,34 @@ def test_run_rejects_unknown_runner_and_missing_script(clean_env, user_script, c
     assert "no-such-runner" in capsys.readouterr().err
     assert main(["run", "does/not/exist.py"]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_run_warns_when_the_script_overrides_the_command_line(tmp_path):
+    script = tmp_path / "override.py"
+    script.write_text("import dtorch_core as dt\nsession = dt.init(world_size=4)\n"
+                      "print('world_size', session.world_size)\n")
+    proc = dtorch("run", "--runner", "inline", "--world-size", "2", str(script))
+    assert proc.returncode == 0, proc.stderr
+    assert "world_size 4" in proc.stdout  # the explicit argument still wins ...
+    assert "dt.init(world_size=4) overrides DTORCH_WORLD_SIZE=2" in proc.stderr  # ... and says so
+    assert "dtorch run --world-size" in proc.stderr and f"{script}:2" in proc.stderr
+
+
+@pytest.mark.parametrize("args, match", [(["--timeout", "-1"], "--timeout"), (["--timeout", "abc"], "--timeout"),
+                                         (["--world-size", "abc"], "--world-size"),
+                                         (["--world-size", "0"], "--world-size")])
+def test_run_rejects_bad_settings_naming_the_option(clean_env, user_script, capsys, args, match):
+    with pytest.raises(SystemExit) as exc:
+        main(["run", *args, str(user_script)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err and ("> 0" in err or ">= 1" in err)
+
+
+def test_run_reports_a_bad_environment_variable(user_script, tmp_path):
+    proc = dtorch("run", str(user_script), str(tmp_path / "r.pt"), "0", env=_env(DTORCH_TIMEOUT="abc"))
+    assert proc.returncode == 1
+    assert "ConfigError" in proc.stderr and "DTORCH_TIMEOUT is 'abc'" in proc.stderr
 
 
 # ---------------------------------------------------------------------------------------------

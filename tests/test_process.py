@@ -98,14 +98,29 @@ def test_workers_do_not_outlive_the_controller(tmp_path, how):
     script = tmp_path / "controller.py"
     script.write_text(CONTROLLER)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-    pids = [int(p) for p in proc.stdout.readline().split()]
-    assert len(pids) == 2
-    if how == "sigint":
-        proc.send_signal(signal.SIGINT)
-    proc.wait(60)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+               PYTHONFAULTHANDLER="1")  # a controller that hangs shows its threads' stacks (below)
+    # stderr to a file, not an unread pipe: a full pipe would block the controller (and the
+    # workers, which inherit it) in a write, which is a hang of the test's own making
+    with open(tmp_path / "stderr", "w+") as err:
+        proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, stderr=err,
+                                text=True, env=env)
+        try:
+            pids = [int(p) for p in proc.stdout.readline().split()]
+            assert len(pids) == 2
+            if how == "sigint":
+                proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+                proc.wait(10)
+                err.seek(0)
+                pytest.fail(f"the controller did not exit after {how}:\n{err.read()[-6000:]}")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
     deadline = time.monotonic() + 5
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -10,10 +10,8 @@ controller, so none outlives it.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,19 +27,15 @@ from ..ir.instructions import DefinePlan, Put, Reply
 from ..transport.channel import active_backend
 from ..worker.streams import streams_class
 from .base import Runner
-from ..controller.session import FlushPolicy
+from .sending import Sender, SendStalled
+from .spawn import config_pipe, private_dir, remove_dir, store_url, worker_command, worker_env
+from ..controller.session import FlushPolicy, setting
 
 log = structlog.get_logger(__name__)
 
 READY = -1  # request id of the hello every worker sends once it is up
 PROTOCOL = 0  # request id of a worker's report that it rejected a frame
 SHUTDOWN = b""  # an empty frame asks a worker to exit
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def for_rank(batch: list, rank: int) -> list:
@@ -82,54 +76,64 @@ class ProcessRunner(Runner):
         self.backend = active_backend()
         self._closing = False
         self._protocol_errors: list = []
-        port = free_port()
         self.to_workers = []
         self.from_workers = []
         self.procs = []
-        threads = int(os.environ.get("DTORCH_WORKER_THREADS", max(1, (os.cpu_count() or 1) // world_size)))
-        env = dict(os.environ)
-        # workers import what the controller can import (its sys.path, this package included)
-        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        paths = [pkg_root] + [p for p in sys.path if p and os.path.isdir(p)]
-        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        env["OMP_NUM_THREADS"] = str(threads)
+        self.senders: list[Sender] = []
+        threads = setting("worker_threads", None, "DTORCH_WORKER_THREADS",
+                          max(1, (os.cpu_count() or 1) // world_size), "int", minimum=1)
+        env = worker_env(threads)
         oversubscribed = (os.cpu_count() or 1) <= world_size
         if oversubscribed and "DTORCH_CHANNEL_SPIN_US" not in os.environ:
             # more busy processes than cores: a waiting channel end that spins takes the core
             # the controller or a peer needs, so every end sleeps at once
             env["DTORCH_CHANNEL_SPIN_US"] = "0"
         # the controller is the critical path: when cores are short, workers yield to it
-        nice = int(os.environ.get("DTORCH_WORKER_NICE", 19 if oversubscribed else 0))
+        nice = setting("worker_nice", None, "DTORCH_WORKER_NICE", 19 if oversubscribed else 0, "int", minimum=0)
         spin = {"spin_us": 0.0} if env.get("DTORCH_CHANNEL_SPIN_US") == "0" else {}
-        for rank in range(world_size):
-            down, down_spec = create_channel("send", **spin)
-            up, up_spec = create_channel("recv", **spin)
-            config = {
-                "rank": rank,
-                "world_size": world_size,
-                "master_port": port,
-                "device_type": device_type,
-                "parent_pid": os.getpid(),
-                "timeout": timeout,
-                "threads": threads,
-                "communicator": communicator,
-                "nice": nice,
-                "backend": dist_backend,
-                "recv": down_spec.encode(),
-                "send": up_spec.encode(),
-            }
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "dtorch_core.worker_main", json.dumps(config)],
-                env=env,
-                pass_fds=down_spec.pass_fds + up_spec.pass_fds,
-                stdin=subprocess.DEVNULL,
-            )
-            down.child_started(proc.pid)
-            up.child_started(proc.pid)
-            self.to_workers.append(down)
-            self.from_workers.append(up)
-            self.procs.append(proc)
+        # a worker dies with the thread that started it (PR_SET_PDEATHSIG): only safe to ask
+        # when that thread is the main one, which lives as long as the controller
+        on_main = threading.current_thread() is threading.main_thread()
+        self._rdv = private_dir()  # the FileStore rendezvous; removed at shutdown
         _live_runners.add(self)
+        try:
+            for rank in range(world_size):
+                down, down_spec = create_channel("send", **spin)
+                up, up_spec = create_channel("recv", **spin)
+                config = {
+                    "rank": rank,
+                    "world_size": world_size,
+                    "init_method": store_url(self._rdv),
+                    "device_type": device_type,
+                    "parent_pid": os.getpid(),
+                    "die_with_parent": on_main,
+                    "timeout": timeout,
+                    "threads": threads,
+                    "communicator": communicator,
+                    "nice": nice,
+                    "backend": dist_backend,
+                    "recv": down_spec.encode(),
+                    "send": up_spec.encode(),
+                }
+                self.to_workers.append(down)
+                self.from_workers.append(up)
+                config_fd = config_pipe(config)
+                try:
+                    proc = subprocess.Popen(
+                        worker_command(config_fd),
+                        env=env,
+                        pass_fds=(config_fd,) + down_spec.pass_fds + up_spec.pass_fds,
+                        stdin=subprocess.DEVNULL,
+                    )
+                finally:
+                    os.close(config_fd)
+                down.child_started(proc.pid)
+                up.child_started(proc.pid)
+                self.procs.append(proc)
+                self.senders.append(Sender(rank, down, self._send_failed))
+        except BaseException:
+            self.shutdown()
+            raise
         self._readers = [
             threading.Thread(target=self._read_loop, args=(r,), name=f"dtorch-replies-{r}", daemon=True)
             for r in range(world_size)
@@ -140,7 +144,7 @@ class ProcessRunner(Runner):
         self._monitor.start()
         try:
             self.wait_replies(READY, world_size, startup_timeout or max(60.0, 15.0 * world_size))
-        except Exception:
+        except BaseException:
             self.shutdown()
             raise
         log.debug("process runner up", world_size=world_size, channel=self.backend)
@@ -151,13 +155,18 @@ class ProcessRunner(Runner):
         shared = None
         if not any(type(ins) is Put or (type(ins) is DefinePlan and ins.rank_args) for ins in batch):
             shared = wire.encode(batch)  # the common case: every rank gets the same bytes
-        for rank, channel in enumerate(self.to_workers):
+        for rank, sender in enumerate(self.senders):
             data = shared if shared is not None else wire.encode(for_rank(batch, rank))
             try:
-                channel.send(data)
-            except Exception as exc:
-                self._mark_dead(rank, f"its channel broke: {exc!r}")
-                self._raise_if_dead()
+                sender.send(data, self.timeout)  # never blocks on the channel itself
+            except SendStalled as exc:
+                self._mark_dead(rank, f"it took no batch for {self.timeout:g}s ({exc}); it is stopped or hung "
+                                      "(the timeout is DTORCH_TIMEOUT or dt.init(timeout=...))")
+            self._raise_if_dead()
+
+    def _send_failed(self, rank: int, exc: BaseException) -> None:
+        if not self._closing:
+            self._mark_dead(rank, self._exit_reason(rank, wait=1.0) or f"its channel broke: {exc!r}")
 
     # -- receiving ------------------------------------------------------------------------
     def _read_loop(self, rank: int) -> None:
@@ -199,6 +208,11 @@ class ProcessRunner(Runner):
         while not self._closing:
             for rank in range(len(self.procs)):
                 reason = self._exit_reason(rank)
+                if reason is None and rank not in self._dead:
+                    stuck = self.senders[rank].stuck_for()
+                    if stuck > self.timeout:
+                        reason = (f"it took nothing from its channel for {stuck:.0f}s (pid {self.procs[rank].pid} "
+                                  "is stopped or hung; the timeout is DTORCH_TIMEOUT or dt.init(timeout=...))")
                 if reason is not None and not self._closing:
                     self._mark_dead(rank, reason)
             time.sleep(0.1)
@@ -226,30 +240,53 @@ class ProcessRunner(Runner):
 
     # -- shutdown -------------------------------------------------------------------------
     def shutdown(self) -> None:
+        """Stop the workers; every step is bounded (a stopped or hung worker is killed)."""
         if self._closing:
             return
         self._closing = True
-        for channel in self.to_workers:
+        grace = min(5.0, max(1.0, self.timeout))
+        for rank, sender in enumerate(self.senders):
+            if rank in self._dead:  # lost (stopped, hung, broken channel): nothing to wait for
+                _kill(self.procs[rank])
+                continue
             try:
-                channel.send(SHUTDOWN)
+                sender.send(SHUTDOWN, 0.0)
             except Exception:
                 pass
-        deadline = time.monotonic() + 5.0
-        for proc in self.procs:
+        deadline = time.monotonic() + grace
+        for rank, proc in enumerate(self.procs):
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        for channel in self.to_workers + self.from_workers:
-            try:
-                channel.close()
-            except Exception:
-                pass
+                log.debug("killing a worker that did not stop", rank=rank, pid=proc.pid)
+                _kill(proc)
+        # a sender blocked on a dead worker's channel ends as soon as the channel sees it gone
+        ended = {rank for rank, sender in enumerate(self.senders) if sender.stop(2.0)}
+        for rank, channel in enumerate(self.to_workers):
+            if rank in ended or rank >= len(self.senders):
+                _close(channel)
+        for channel in self.from_workers:
+            _close(channel)
         # drop the channels: native ones still referenced when the interpreter ends are reported
         # as leaks by nanobind
-        self.to_workers, self.from_workers = [], []
+        self.to_workers, self.from_workers, self.senders = [], [], []
+        remove_dir(self._rdv)
         _live_runners.discard(self)
+
+
+def _kill(proc) -> None:
+    try:
+        proc.kill()  # also ends a stopped (SIGSTOP) process
+        proc.wait(5)
+    except Exception:
+        pass
+
+
+def _close(channel) -> None:
+    try:
+        channel.close()
+    except Exception:
+        pass
 
 
 _live_runners: weakref.WeakSet = weakref.WeakSet()

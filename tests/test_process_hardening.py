@@ -1,0 +1,167 @@
+"""Hardening of the process runner (issue 13): rendezvous, configuration, imports, stopped
+workers, quiet orphans. Real processes and signals, each bounded in time."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import dtorch_core as dt
+
+from .test_process import _alive
+
+pytestmark = pytest.mark.skipif(
+    "process" not in os.environ.get("DTORCH_TEST_RUNNERS", "inline,thread,process"),
+    reason="process runner deselected by DTORCH_TEST_RUNNERS",
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _listening_ports(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of the TCP sockets ``pid`` listens on, from /proc."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    addr, port = cols[1].split(":")
+                    out.append((addr, int(port, 16)))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/net"), reason="needs Linux /proc")
+def test_nothing_listens_beyond_loopback_and_config_is_not_on_the_command_line():
+    session = dt.init(world_size=2, runner="process")
+    try:
+        rdv = session.runner._rdv
+        assert stat.S_IMODE(os.stat(rdv).st_mode) == 0o700
+        names = [getattr(c, "name", "") for c in session.runner.to_workers + session.runner.from_workers]
+        for proc in session.runner.procs:
+            with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+                cmdline = f.read().decode()
+            assert '"rank"' not in cmdline and rdv not in cmdline
+            assert not any(n and n in cmdline for n in names), cmdline
+            for addr, port in _listening_ports(proc.pid):
+                # IPv4 127.0.0.1 is 0100007F in /proc; IPv6 ::1 ends in 01000000
+                assert addr in ("0100007F", "00000000000000000000000001000000"), (addr, port)
+    finally:
+        dt.shutdown()
+    assert not os.path.exists(rdv), "the rendezvous directory outlived the session"
+
+
+def test_workers_import_the_controllers_package_whatever_the_cwd(tmp_path, monkeypatch):
+    fake = tmp_path / "dtorch_core"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('the wrong dtorch_core was imported')\n")
+    (fake / "worker_main.py").write_text("raise ImportError('the wrong dtorch_core was imported')\n")
+    monkeypatch.chdir(tmp_path)
+    session = dt.init(world_size=2, runner="process", startup_timeout=60)
+    try:
+        mesh = dt.init_device_mesh("cpu", (2,))
+        x = dt.distribute_tensor(torch.arange(4.0), mesh, [dt.Shard(0)])
+        assert (x + 1).full_tensor().tolist() == [1.0, 2.0, 3.0, 4.0]
+        assert session.runner.world_size == 2
+    finally:
+        dt.shutdown()
+
+
+def test_a_stopped_worker_is_lost_within_the_timeout_and_shutdown_returns():
+    timeout = 5.0
+    session = dt.init(world_size=2, runner="process", timeout=timeout)
+    pids = [p.pid for p in session.runner.procs]
+    try:
+        mesh = dt.init_device_mesh("cpu", (2,))
+        x = dt.distribute_tensor(torch.randn(6, 4), mesh, [dt.Shard(0)])
+        x.full_tensor()
+        os.kill(pids[1], signal.SIGSTOP)
+        start = time.monotonic()
+        big = torch.randn(512, 1024)  # 2 MiB a put: 40 of them overflow any ring
+        with pytest.raises(dt.WorkerLostError, match=r"rank 1.*stopped or hung"):
+            for _ in range(40):
+                y = dt.distribute_tensor(big, mesh, [dt.Replicate()])
+            y.full_tensor()
+        assert time.monotonic() - start < timeout + 5
+        start = time.monotonic()
+        dt.shutdown()
+        assert time.monotonic() - start < timeout + 10
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        dt.shutdown()
+        for p in pids:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(p, sig)
+                except ProcessLookupError:
+                    pass
+
+
+ORPHANED = textwrap.dedent(
+    """
+    import sys, time, torch
+    import dtorch_core as dt
+    session = dt.init(world_size=2, runner="process")
+    mesh = dt.init_device_mesh("cpu", (2,))
+    x = dt.distribute_tensor(torch.randn(64, 64), mesh, [dt.Shard(0)])
+    (x + 1).full_tensor()
+    print(" ".join(str(p.pid) for p in session.runner.procs), flush=True)
+    if sys.argv[1] == "busy":  # the workers are inside collectives and replies when it dies
+        while True:
+            x = (x @ x.T).redistribute(mesh, [dt.Replicate()]).redistribute(mesh, [dt.Shard(0)]) * 0.001
+            x.full_tensor()
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+@pytest.mark.parametrize("mode", ["idle", "busy"])
+def test_workers_of_a_dead_controller_exit_quietly(tmp_path, sig, mode):
+    script = tmp_path / "controller.py"
+    script.write_text(ORPHANED)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTORCH_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    err = open(tmp_path / "stderr", "w+")
+    proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=err, text=True,
+                            env=env)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        proc.wait(30)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids)
+        time.sleep(0.5)  # whatever the workers were still writing
+        err.seek(0)
+        lines = [line for line in err.read().splitlines() if line.strip()]
+        assert len(lines) <= 2, "\n".join(lines)  # one line per worker at most
+        assert not any("Traceback" in line or "Connection reset" in line for line in lines), "\n".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        err.close()
