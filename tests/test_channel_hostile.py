@@ -218,3 +218,25 @@ def test_max_message_setting(monkeypatch):
             max_message_bytes()
     assert issubclass(ChannelCorruptError, ChannelClosedError)
     assert issubclass(ChannelMessageTooLargeError, ChannelError)
+
+
+def test_the_limit_travels_in_the_spec(backend):
+    import pickle
+
+    from dtorch_core.transport import ChannelSpec
+
+    tx, spec = create_channel("send", backend=backend, max_message=4321)
+    try:
+        assert spec.max_message == 4321
+        assert ChannelSpec.decode(spec.encode()) == spec
+        assert pickle.loads(pickle.dumps(spec)) == spec
+        rx = open_channel(spec)
+        if backend == BACKEND_PIPE:
+            tx._disown_child_end()
+        assert rx.max_message == 4321
+        rx.close()
+    finally:
+        tx.close()
+    end, default_spec = create_channel("send", backend=backend)
+    end.close()
+    assert default_spec.max_message == 0  # the opening process's own setting
