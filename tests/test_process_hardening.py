@@ -165,3 +165,23 @@ def test_workers_of_a_dead_controller_exit_quietly(tmp_path, sig, mode):
             proc.kill()
             proc.wait(10)
         err.close()
+
+
+def test_rendezvous_dirs_of_dead_controllers_are_removed(tmp_path, monkeypatch):
+    from dtorch_core.runners import spawn
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(gone.stdout)  # exited: its directory is stale (unless the pid was reused at once)
+    stale = tmp_path / f"{spawn.RDV_PREFIX}{dead_pid}-abc"
+    live = tmp_path / f"{spawn.RDV_PREFIX}{os.getpid()}-abc"
+    other = tmp_path / "dtorch-rdv-notapid"
+    for d in (stale, live, other):
+        d.mkdir()
+    (stale / "store").write_text("")
+    spawn.remove_stale_dirs(str(tmp_path))
+    assert not stale.exists() and live.exists() and other.exists()
+    monkeypatch.setattr(spawn.tempfile, "gettempdir", lambda: str(tmp_path))
+    made = spawn.private_dir()
+    assert os.path.basename(made).startswith(f"{spawn.RDV_PREFIX}{os.getpid()}-")
+    assert stat.S_IMODE(os.stat(made).st_mode) == 0o700

@@ -28,9 +28,42 @@ _BOOT = (
 )
 
 
+RDV_PREFIX = "dtorch-rdv-"
+
+
 def private_dir() -> str:
-    """A fresh directory only this user can enter (``tempfile.mkdtemp`` makes it 0700)."""
-    return tempfile.mkdtemp(prefix="dtorch-rdv-")
+    """A fresh directory only this user can enter (``tempfile.mkdtemp`` makes it 0700), named
+    after this process; those of controllers that ended without cleaning up (SIGKILL, SIGTERM)
+    are removed first."""
+    remove_stale_dirs()
+    return tempfile.mkdtemp(prefix=f"{RDV_PREFIX}{os.getpid()}-")
+
+
+def remove_stale_dirs(root: str | None = None) -> None:
+    root = root or tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(RDV_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(RDV_PREFIX):].split("-", 1)[0]
+        path = os.path.join(root, name)
+        try:
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or _pid_alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def remove_dir(path: str | None) -> None:
