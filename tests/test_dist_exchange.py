@@ -8,7 +8,6 @@ peers and must leave the failed rank poisoned.
 
 from __future__ import annotations
 
-import os
 import traceback
 
 import pytest
@@ -21,7 +20,6 @@ from dtorch_core.comm.dist import DistExchange
 from dtorch_core.spec import local_shapes
 from dtorch_core.ir.instructions import Collective, DefineMesh, Fetch, MergedAllReduce, Reply, Stats, WorkerFailure
 from dtorch_core.placement import Partial, Replicate, Shard
-from dtorch_core.runners.process import free_port
 from dtorch_core.worker.loop import CollectiveStep, Worker
 
 WORLD = 4
@@ -133,10 +131,10 @@ def _run_merged(rank: int, native: bool) -> None:
         torch.testing.assert_close(got, expected, msg=f"source {i}")
 
 
-def _entry(rank: int, port: int, native: bool, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank: int, store_file: str, native: bool, errors) -> None:
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        # a file store, as the process runner uses: no port to race for
+        dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD)
         try:
             _run_cases(rank, native)
             _run_merged(rank, native)
@@ -148,11 +146,11 @@ def _entry(rank: int, port: int, native: bool, errors) -> None:
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["gathered", "native"])
-def test_every_kind_over_uneven_shards_between_processes(native):
+def test_every_kind_over_uneven_shards_between_processes(native, tmp_path):
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, port, native, errors), daemon=True) for r in range(WORLD)]
+    store = str(tmp_path / "store")
+    procs = [ctx.Process(target=_entry, args=(r, store, native, errors), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
     for p in procs:
