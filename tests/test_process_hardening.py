@@ -16,7 +16,7 @@ import torch
 
 import dtorch_core as dt
 
-from .test_process import _alive
+from .test_process import _alive, _default_sigint
 
 pytestmark = pytest.mark.skipif(
     "process" not in os.environ.get("DTORCH_TEST_RUNNERS", "inline,thread,process"),
@@ -185,3 +185,47 @@ def test_rendezvous_dirs_of_dead_controllers_are_removed(tmp_path, monkeypatch):
     made = spawn.private_dir()
     assert os.path.basename(made).startswith(f"{spawn.RDV_PREFIX}{os.getpid()}-")
     assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
+
+
+INTERRUPTED_FINALIZER = textwrap.dedent(
+    """
+    import time, torch
+    import dtorch_core as dt
+    session = dt.init(world_size=2, runner="process")
+    mesh = dt.init_device_mesh("cpu", (2,))
+    (dt.distribute_tensor(torch.randn(4, 4), mesh, [dt.Shard(0)]) + 1).full_tensor()
+
+    class Slow:  # stands for a DTensor handle's __del__ (it frees the tensor id)
+        def __del__(self):
+            print(" ".join(str(p.pid) for p in session.runner.procs), flush=True)
+            time.sleep(3)  # Ctrl-C arrives now
+
+    obj = Slow()
+    del obj
+    time.sleep(60)
+    """
+)
+
+
+def test_ctrl_c_inside_a_finalizer_still_stops_the_controller(tmp_path):
+    script = tmp_path / "controller.py"
+    script.write_text(INTERRUPTED_FINALIZER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DTORCH_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env=env, preexec_fn=_default_sigint)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)  # before: "Exception ignored in __del__", then the 60 s sleep
+        assert proc.returncode in (-signal.SIGINT, 130, 1)  # KeyboardInterrupt, delivered just after __del__
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -7,6 +7,7 @@ import collections
 import contextlib
 import math
 import os
+import signal
 import threading
 import warnings
 
@@ -41,9 +42,42 @@ def set_session(session) -> None:
         # "terminate called without an active exception")
         atexit.register(_close_at_exit)
         _exit_hook = True
+    if session is not None:
+        _guard_interrupts()
 
 
 _exit_hook = False
+
+
+# -- Ctrl-C: never lost in a finalizer -----------------------------------------------------------
+# Every DTensor handle frees its id from ``__del__``. A KeyboardInterrupt that lands while a
+# finalizer runs is printed as "Exception ignored in ... __del__" and dropped, so the program
+# went on (a controller that ignored Ctrl-C once). While a session runs, SIGINT (if it still has
+# Python's default handler) is delivered again just after the finalizer instead.
+def _guard_interrupts() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _on_interrupt)
+    except (ValueError, OSError):  # not the main interpreter, or no signals here
+        pass
+
+
+def _in_finalizer(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _on_interrupt(signum, frame):
+    if _in_finalizer(frame):
+        main = threading.main_thread().ident
+        threading.Timer(0.01, signal.pthread_kill, (main, signal.SIGINT)).start()
+        return
+    signal.default_int_handler(signum, frame)
 
 
 def _close_at_exit() -> None:
