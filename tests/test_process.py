@@ -73,15 +73,12 @@ def test_shutdown_leaves_no_worker(process_session):
     assert not any(_alive(p) for p in pids)
 
 
-def _default_sigint() -> None:
-    # a shell that runs the tests in the background (`pytest ... &`) starts them with SIGINT
-    # ignored, and Python then ignores Ctrl-C in the controller too: start it as a terminal would
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 CONTROLLER = textwrap.dedent(
     """
     import os, signal, sys, time, torch
+    # a shell that runs the tests in the background (`pytest ... &`) starts them with SIGINT
+    # ignored, and Python then ignores Ctrl-C here too: Ctrl-C as in a terminal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import dtorch_core as dt
     session = dt.init(world_size=2, runner="process")
     mesh = dt.init_device_mesh("cpu", (2,))
@@ -110,7 +107,7 @@ def test_workers_do_not_outlive_the_controller(tmp_path, how):
     # workers, which inherit it) in a write, which is a hang of the test's own making
     with open(tmp_path / "stderr", "w+") as err:
         proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, stderr=err,
-                                text=True, env=env, preexec_fn=_default_sigint)
+                                text=True, env=env)
         try:
             pids = [int(p) for p in proc.stdout.readline().split()]
             assert len(pids) == 2

@@ -16,7 +16,7 @@ import torch
 
 import dtorch_core as dt
 
-from .test_process import _alive, _default_sigint
+from .test_process import _alive
 
 pytestmark = pytest.mark.skipif(
     "process" not in os.environ.get("DTORCH_TEST_RUNNERS", "inline,thread,process"),
@@ -189,7 +189,8 @@ def test_rendezvous_dirs_of_dead_controllers_are_removed(tmp_path, monkeypatch):
 
 INTERRUPTED_FINALIZER = textwrap.dedent(
     """
-    import time, torch
+    import signal, time, torch
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal
     import dtorch_core as dt
     session = dt.init(world_size=2, runner="process")
     mesh = dt.init_device_mesh("cpu", (2,))
@@ -213,7 +214,7 @@ def test_ctrl_c_inside_a_finalizer_still_stops_the_controller(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTORCH_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env=env, preexec_fn=_default_sigint)
+                            text=True, env=env)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2

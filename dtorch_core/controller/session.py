@@ -470,10 +470,6 @@ def setting(name: str, value, env: str | None, default, kind: str, *, minimum: i
     return parsed
 
 
-def timeout_from_env(default: float = 300.0) -> float:
-    return setting("timeout", None, "DTORCH_TIMEOUT", default, "seconds")
-
-
 def _raise_first_error(replies) -> None:
     for reply in sorted(replies, key=lambda r: r.rank):
         if reply.error is not None:

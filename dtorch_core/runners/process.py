@@ -13,7 +13,6 @@ import atexit
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import weakref
