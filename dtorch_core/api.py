@@ -10,7 +10,8 @@ import structlog
 import torch
 
 from .controller import session as _session_mod
-from .controller.session import Session, current_session, setting
+from .controller.session import Session, current_session
+from .controller.settings import setting
 from .errors import PlacementError
 from .logging import ensure_configured
 from .mesh import DeviceMesh, register_root, root_coordinate

@@ -187,6 +187,33 @@ def test_rendezvous_dirs_of_dead_controllers_are_removed(tmp_path, monkeypatch):
     assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
 
 
+
+def test_rings_of_dead_controllers_are_removed_when_a_runner_starts():
+    """A controller killed while its workers start leaves its rings' names in /dev/shm (the
+    workers unlink them once they open them): the next process runner removes them."""
+    from dtorch_core.runners import spawn
+
+    if not os.path.isdir(spawn.SHM_ROOT):
+        pytest.skip(f"{spawn.SHM_ROOT} does not exist on this system")  # shm names live elsewhere
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    stale = os.path.join(spawn.SHM_ROOT, f"dtorch-{int(gone.stdout)}-0123456789abcdef")
+    live = os.path.join(spawn.SHM_ROOT, f"dtorch-{os.getpid()}-fedcba9876543210")
+    for path in (stale, live):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    try:
+        dt.init(world_size=2, runner="process")
+        x = dt.distribute_tensor(torch.arange(4.0), dt.init_device_mesh("cpu", (2,)), [dt.Shard(0)])
+        assert torch.equal((x + 1).full_tensor(), torch.arange(4.0) + 1)
+        dt.shutdown()
+        assert not os.path.exists(stale), "the dead controller's ring is still there"
+        assert os.path.exists(live), "a ring of a live controller was removed"
+    finally:
+        for path in (stale, live):
+            if os.path.exists(path):
+                os.unlink(path)
+
 INTERRUPTED_FINALIZER = textwrap.dedent(
     """
     import signal, time, torch

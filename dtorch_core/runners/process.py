@@ -28,7 +28,8 @@ from ..worker.streams import streams_class
 from .base import Runner
 from .sending import Sender, SendStalled
 from .spawn import config_pipe, private_dir, remove_dir, store_url, worker_command, worker_env
-from ..controller.session import FlushPolicy, setting
+from ..controller.session import FlushPolicy
+from ..controller.settings import setting
 
 log = structlog.get_logger(__name__)
 

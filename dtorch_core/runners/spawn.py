@@ -31,12 +31,35 @@ _BOOT = (
 RDV_PREFIX = "dtorch-rdv-"
 
 
+#: shared-memory rings are named /dtorch-PID-HEX after their controller (transport/channel.py)
+RING_PREFIX = "dtorch-"
+SHM_ROOT = "/dev/shm"
+
+
 def private_dir() -> str:
     """A fresh directory only this user can enter (``tempfile.mkdtemp`` makes it 0700), named
-    after this process; those of controllers that ended without cleaning up (SIGKILL, SIGTERM)
-    are removed first."""
+    after this process; the rendezvous directories and shared-memory rings of controllers that
+    ended without cleaning up (SIGKILL, SIGTERM while workers started) are removed first."""
     remove_stale_dirs()
+    remove_stale_rings()
     return tempfile.mkdtemp(prefix=f"{RDV_PREFIX}{os.getpid()}-")
+
+
+def remove_stale_rings(root: str = SHM_ROOT) -> None:
+    """Unlink this user's ring objects whose controller (the pid in the name) is gone."""
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(RING_PREFIX) and not n.startswith(RDV_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(RING_PREFIX):].split("-", 1)[0]
+        path = os.path.join(root, name)
+        try:
+            if not pid.isdigit() or os.lstat(path).st_uid != os.getuid() or _pid_alive(int(pid)):
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
 
 
 def remove_stale_dirs(root: str | None = None) -> None:
