@@ -47,36 +47,29 @@ def private_dir() -> str:
 
 def remove_stale_rings(root: str = SHM_ROOT) -> None:
     """Unlink this user's ring objects whose controller (the pid in the name) is gone."""
+    _remove_stale(root, RING_PREFIX, os.unlink, skip=RDV_PREFIX)
+
+
+def _remove_stale(root: str, prefix: str, remove, skip: str | None = None) -> None:
+    """``remove(path)`` for each entry of ``root`` named ``PREFIX<pid>-...`` that this user owns
+    and whose process is gone (an entry that vanishes meanwhile is fine)."""
     try:
-        names = [n for n in os.listdir(root) if n.startswith(RING_PREFIX) and not n.startswith(RDV_PREFIX)]
+        names = [n for n in os.listdir(root) if n.startswith(prefix) and not (skip and n.startswith(skip))]
     except OSError:
         return
     for name in names:
-        pid = name[len(RING_PREFIX):].split("-", 1)[0]
+        pid = name[len(prefix):].split("-", 1)[0]
         path = os.path.join(root, name)
         try:
-            if not pid.isdigit() or os.lstat(path).st_uid != os.getuid() or _pid_alive(int(pid)):
-                continue
-            os.unlink(path)
+            if pid.isdigit() and os.lstat(path).st_uid == os.getuid() and not _pid_alive(int(pid)):
+                remove(path)
         except OSError:
             continue
 
 
 def remove_stale_dirs(root: str | None = None) -> None:
-    root = root or tempfile.gettempdir()
-    try:
-        names = [n for n in os.listdir(root) if n.startswith(RDV_PREFIX)]
-    except OSError:
-        return
-    for name in names:
-        pid = name[len(RDV_PREFIX):].split("-", 1)[0]
-        path = os.path.join(root, name)
-        try:
-            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or _pid_alive(int(pid)):
-                continue
-        except OSError:
-            continue
-        shutil.rmtree(path, ignore_errors=True)
+    """Remove this user's rendezvous directories whose controller (the pid in the name) is gone."""
+    _remove_stale(root or tempfile.gettempdir(), RDV_PREFIX, lambda path: shutil.rmtree(path, ignore_errors=True))
 
 
 def _pid_alive(pid: int) -> bool:
