@@ -10,13 +10,12 @@ from ..spec import TensorSpec, contiguous_stride
 from ..tensor import DTensor, root_placements
 from .plans import kernel_plan
 
-FACTORY_KINDS = ("zeros", "ones", "empty", "full", "rand", "randn", "arange")
-
 
 def factory(session, kind: str, shape: tuple, device_mesh: DeviceMesh, placements, dtype,
             fill=None, requires_grad: bool = False) -> DTensor:
-    """A new tensor of ``kind`` (see FACTORY_KINDS) of global ``shape`` on ``device_mesh``;
-    ``dtype`` None infers it as torch does; ``fill`` is full's value or arange's (start, step)."""
+    """A new tensor of ``kind`` (zeros, ones, empty, full, rand, randn, arange) of global
+    ``shape`` on ``device_mesh``; ``dtype`` None infers it as torch does; ``fill`` is full's value
+    or arange's (start, step)."""
     if dtype is None:
         if kind == "full":
             dtype = torch.full((), fill).dtype  # torch's own inference: int64, bool, float...

@@ -42,13 +42,6 @@ def warn_fallback(name: str) -> None:
         warnings.warn_explicit(message, UserWarning, source[0], source[1])
 
 
-def tensors_in(tree) -> list:
-    """Every tensor of a nested argument structure, in flattening order."""
-    out: list = []
-    map_structure(tree, out.append)
-    return out
-
-
 def replicated_fallback(session, func, args, kwargs):
     """Gather every input to Replicate, run the op on each rank, write mutated inputs back."""
     name = str(func)
@@ -84,8 +77,10 @@ def replicated_fallback(session, func, args, kwargs):
 
 
 def _flat_inputs(args, kwargs) -> list:
-    # the order substitute() numbers tensors in: args, then kwargs' values
-    return tensors_in(tuple(args)) + tensors_in(tuple(kwargs.values()))
+    """Every tensor argument, in the order substitute() numbers them: args, then kwargs' values."""
+    out: list = []
+    map_structure((tuple(args), tuple(kwargs.values())), out.append)
+    return out
 
 
 def _rep_source(t, replicated, inputs):
