@@ -3,10 +3,12 @@
 The first calls of a compiled function run eagerly (a warm-up, so that lazily made state such
 as optimizer moments exists before capture), the next one runs eagerly while its instructions
 are recorded, and one more is recorded to check that the step issues the same work each time
-(values the controller computes in Python, like torch.optim's bias corrections, would otherwise
-be frozen into the replay unnoticed). From then on a call sends one ``RunProgram``: explicit
-tensor inputs are rebound, outputs are fresh handles, and state (parameters, optimizer state,
-``.grad``) is updated in place on the workers, as with CUDA graphs.
+(values the controller computes in Python would otherwise be frozen into the replay unnoticed).
+From then on a call sends one ``RunProgram``: explicit tensor inputs are rebound (plain tensor
+arguments are replicated on the step's mesh and sent anew), outputs are fresh handles, and state
+(parameters, optimizer state, ``.grad``) is updated in place on the workers, as with CUDA graphs.
+torch.optim optimizers and lr schedulers work unchanged (``optim_replay``): the lr a scheduler
+sets is written to the workers before each replay, other changed settings re-capture.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import structlog
 import torch
 from torch.utils import _pytree as pytree
 
+from . import optim_replay
+from .api import distribute_tensor
 from .errors import CaptureError, GuardError
 from .controller.session import current_session
 from .ir.program import Program, Recording, build_program, first_difference
+from .placement import Replicate
 from .planner.source import format_source
 from .tensor import DTensor
 
@@ -92,7 +97,10 @@ class _Captured:
 
     calls: int = 0
     draft: Program | None = None  # the first recording, kept to compare with the second
+    draft_settings: tuple = ()  # the optimizer settings the draft froze
     program: Program | None = None
+    guards: optim_replay.Guards = attrs.field(factory=lambda: optim_replay.Guards(()))  # optimizers it steps
+    mesh: object = None  # where plain tensor arguments are replicated
     program_id: int = 0
     out_tree: object = None
     out_leaves: tuple = ()  # per output leaf: an _OutTensor, or the value returned
@@ -113,7 +121,8 @@ class CompiledFunction:
         self.merge_collectives = merge_collectives
         self.fuse_local = fuse_local
         self._captured: collections.OrderedDict = collections.OrderedDict()
-        self.replays = 0
+        self.replays = 0  # calls that ran as one RunProgram
+        self.captures = 0  # programs captured (a re-capture for new inputs or settings counts too)
 
     # -- guards -------------------------------------------------------------------------------
     def _guard_key(self, leaves) -> tuple:
@@ -122,11 +131,7 @@ class CompiledFunction:
             if type(x) is DTensor:
                 key.append((x._spec, x.requires_grad))
             elif isinstance(x, torch.Tensor):
-                raise CaptureError(
-                    f"{self._name} got a torch.Tensor as argument {i} ({tuple(x.shape)}): its values would be "
-                    "frozen into the captured step. Distribute it first (dt.distribute_tensor) so that each "
-                    "call binds the new one"
-                )
+                key.append(("plain", tuple(x.shape), x.dtype))
             elif x is None or type(x) in (int, float, bool, str, torch.dtype, torch.device):
                 key.append((type(x), x))
             else:
@@ -159,17 +164,22 @@ class CompiledFunction:
     # -- calls --------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         session = current_session()
-        leaves, _ = pytree.tree_flatten((args, kwargs))
+        leaves, arg_tree = pytree.tree_flatten((args, kwargs))
         entry = self._entry(session, self._guard_key(leaves), leaves)
         if entry.program is not None:
-            return self._replay(session, entry, leaves)
+            if entry.guards.ready():
+                return self._replay(session, entry, self._bind(session, entry, leaves))
+            self._recapture(session, entry)
         entry.calls += 1
         if entry.calls <= self.warmup:
             return self.fn(*args, **kwargs)
+        leaves = self._bind(session, entry, leaves)
+        args, kwargs = pytree.tree_unflatten(leaves, arg_tree)
         inputs = [x._tid for x in leaves if type(x) is DTensor]
-        with session.recording() as rec:
+        with optim_replay.steps_taken() as steps, session.recording() as rec:
             result = self.fn(*args, **kwargs)
         _refuse_reads(rec, self._name)
+        guards = optim_replay.Guards(tuple(steps))
         out_leaves, out_tree = pytree.tree_flatten(result)
         outputs = []
         for x in out_leaves:
@@ -181,14 +191,19 @@ class CompiledFunction:
         program = build_program(rec, inputs, outputs, session.pure_plans, _describe(session),
                                 merge=self.merge_collectives,
                                 fusable_plan=_fusable_plan(session) if self.fuse_local else None)
-        if self.verify and entry.draft is None:
-            entry.draft = program
+        if self.verify and (entry.draft is None or entry.draft_settings != guards.settings):
+            if entry.draft is not None:
+                log.info("optimizer settings changed between the two recordings; recording again",
+                         function=self._name)
+            entry.draft, entry.draft_settings = program, guards.settings
             return result
         if self.verify:
             self._check_same(session, entry.draft, program)
             entry.draft = None
         entry.program = program
+        entry.guards = guards
         entry.program_id = _define(session, program)
+        self.captures += 1
         entry.out_tree = out_tree
         entry.out_leaves = tuple(_OutTensor(x._spec, x._view) if type(x) is DTensor else x for x in out_leaves)
         log.info("step captured", function=self._name, instructions=len(program.instructions),
@@ -214,10 +229,33 @@ class CompiledFunction:
         raise CaptureError(
             f"{self._name} does not issue the same work on every call, so it cannot be replayed: its "
             f"instruction {i} was {show(a)} on one call and {show(b)} on the next. Values computed on the "
-            "controller (Python numbers, torch.optim's step counters and bias corrections, schedulers) are "
-            "frozen into a replay; keep them in distributed tensors (dt.optim.AdamW keeps Adam's step count "
-            "on the workers) or pass them as tensor arguments, or run this function eagerly"
+            "controller (Python numbers, counters kept in plain tensors, .item() results) are frozen into a "
+            "replay; keep them in distributed tensors or pass them as arguments, or run this function "
+            "eagerly. (torch.optim optimizers and lr schedulers are handled: capturable ones such as "
+            "Adam/AdamW keep their step count on the workers, and a changed setting re-captures)"
         )
+
+    def _bind(self, session, entry: _Captured, leaves) -> list:
+        """Leaves with each plain tensor replicated on the step's mesh, as eager would treat it."""
+        if not any(isinstance(x, torch.Tensor) and type(x) is not DTensor for x in leaves):
+            return leaves
+        if entry.mesh is None:
+            entry.mesh = _step_mesh(session, leaves, self._name)
+        mesh = entry.mesh
+        return [distribute_tensor(x, mesh, [Replicate()] * mesh.ndim)
+                if isinstance(x, torch.Tensor) and type(x) is not DTensor else x for x in leaves]
+
+    def _recapture(self, session, entry: _Captured) -> None:
+        if not self.recapture:
+            raise GuardError(
+                f"{self._name} was captured with other optimizer settings ({entry.guards.changed()}) and "
+                "re-capture is off (dt.compile(..., recapture=False)); keep them fixed or allow re-capture"
+            )
+        log.info("optimizer settings changed: capturing the step again", function=self._name,
+                 change=entry.guards.changed())
+        session.drop_program(entry.program_id)
+        entry.program, entry.draft, entry.guards = None, None, optim_replay.Guards(())
+        entry.calls = self.warmup  # the state exists already: this call records
 
     def _replay(self, session, entry: _Captured, leaves):
         inputs = tuple(x._tid for x in leaves if type(x) is DTensor)
@@ -243,18 +281,33 @@ class CompiledFunction:
 
 
 def _object_guard(x):
-    """Objects are the same object each call; the settings a step reads from them must match too.
+    """Objects are the same object each call; a module's train/eval mode must match too.
 
-    An optimizer's hyper-parameters (a scheduler's new ``lr``) and a module's train/eval mode
-    are Python values the captured step froze, so a change re-captures.
+    (Optimizers' settings are guarded by ``optim_replay``, whether they are arguments or not.)
     """
-    if isinstance(x, torch.optim.Optimizer):
-        return ("optimizer", id(x), tuple(
-            tuple((k, v) for k, v in group.items() if k != "params" and type(v) in (int, float, bool, str, tuple))
-            for group in x.param_groups))
     if isinstance(x, torch.nn.Module):
         return ("module", id(x), x.training)
     return ("object", id(x))
+
+
+def _step_mesh(session, leaves, name):
+    """The mesh a plain tensor argument is replicated on: that of the DTensor arguments (a module's
+    parameters count), or the root of their meshes, else the session's only mesh."""
+    meshes = {x.device_mesh for x in leaves if type(x) is DTensor}
+    for x in leaves:
+        if isinstance(x, torch.nn.Module):
+            meshes.update(p.device_mesh for p in x.parameters() if type(p) is DTensor)
+    if len(meshes) == 1:
+        return meshes.pop()
+    roots = {m.root for m in meshes} if meshes else set(session.root_meshes)
+    if len(roots) == 1:
+        return roots.pop()
+    raise CaptureError(
+        f"{name} got a plain torch.Tensor argument, and "
+        + ("its DTensor arguments are on several meshes" if meshes else "no DTensor argument, and the session "
+           "has several meshes") + ", so which one to replicate it on is not clear. Distribute it first "
+        "(dt.distribute_tensor)"
+    )
 
 
 def _explain(old_key, new_key, leaves) -> str:
@@ -267,7 +320,9 @@ def _explain(old_key, new_key, leaves) -> str:
                 spec = a[0]
                 return (f"argument {i} is {tuple(x.shape)} {x.dtype} {list(x.placements)}; captured with "
                         f"{tuple(spec.shape)} {spec.dtype} {list(spec.placements)}")
-            if a[0] in ("optimizer", "module"):
+            if a[0] == "plain":
+                return f"argument {i} is a tensor {tuple(x.shape)} {x.dtype}; captured with {a[1]} {a[2]}"
+            if a[0] == "module":
                 return f"argument {i} ({type(x).__name__}) has other settings than when captured ({a[2]!r} then)"
             return f"argument {i} is {x!r}, captured with {a[1]!r}"
     return "same inputs"
@@ -306,10 +361,14 @@ class CapturedGraph:
         self.program: Program | None = None
         self.program_id = 0
         self.session = None
+        self.guards = optim_replay.Guards(())
 
     def replay(self) -> None:
         if self.program is None:
             raise CaptureError("nothing was captured: replay() works after the `with dt.capture()` block ends")
+        if not self.guards.ready():
+            raise CaptureError(f"an optimizer the block stepped has other settings than when it was captured "
+                               f"({self.guards.changed()}); capture the block again")
         session = self.session
         session.run_program(self.program_id, self.program, (), ())
 
@@ -327,9 +386,10 @@ def capture(*, fuse_local: bool = False):
     """
     session = current_session()
     graph = CapturedGraph()
-    with session.recording() as rec:
+    with optim_replay.steps_taken() as steps, session.recording() as rec:
         yield graph
     _refuse_reads(rec, "the captured block")
+    graph.guards = optim_replay.Guards(tuple(steps))
     graph.program = build_program(rec, (), (), session.pure_plans, _describe(session),
                                   fusable_plan=_fusable_plan(session) if fuse_local else None)
     graph.session = session

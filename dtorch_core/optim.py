@@ -1,10 +1,11 @@
 """Optimizers whose every step-dependent value lives on the workers.
 
 ``torch.optim.Adam``/``AdamW`` keep the step count in a CPU tensor on the controller and compute
-the bias corrections there as Python numbers, which become constants of each step's ops. That
-is fine eagerly, but a captured step (``dt.compile``) would replay the first step's corrections
-forever (``dt.compile`` detects this and refuses). :class:`AdamW` keeps the step count as a
-replicated distributed tensor and computes the corrections with tensor ops, so its step replays.
+the bias corrections there as Python numbers. Under ``dt.compile`` that is handled for them
+(``optim_replay`` switches them to ``capturable=True`` when a step is captured), so they replay
+unchanged. :class:`AdamW` here keeps the step count as a replicated distributed tensor from its
+first step and computes the corrections with tensor ops, eagerly too: no controller-side
+counter, no hooks, and its state is the same before and after a capture.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ class AdamW(torch.optim.Optimizer):
 
     Same hyper-parameters and update as ``torch.optim.AdamW``; the bias corrections are float32
     tensors instead of float64 Python numbers, so results agree with torch to float32 rounding.
-    Hyper-parameters (``lr``, ...) are read when the step is captured: a captured step is
-    re-captured when they change (see ``dt.compile``).
+    Its ``lr`` is a float read when the step is captured (it has no tensor-lr path): a captured
+    step is re-captured when its hyper-parameters change (see ``dt.compile``); prefer
+    ``torch.optim.AdamW`` with an lr scheduler, whose new lr replays without re-capture.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,

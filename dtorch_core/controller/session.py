@@ -130,6 +130,7 @@ class Session:
         self.comm_counters: list = []  # objects with record(CommEvent): dt.debug.comm_mode, recordings
         self.closed = False
         self._recording: Recording | None = None
+        self._recorders = None  # while recording: (recording methods, shadowed ones, comm recorder)
         self._tid = 0
         self._plan = 0
         self._program = 0
@@ -163,6 +164,11 @@ class Session:
         if pure:
             self.pure_plans.add(define.plan_id)
         self.emit(define)
+
+    @property
+    def root_meshes(self) -> tuple:
+        """The root meshes defined in this session so far, in order."""
+        return tuple(self._meshes)
 
     def mesh_id(self, mesh) -> int:
         mid = self._meshes.get(mesh)
@@ -280,21 +286,56 @@ class Session:
 
         recorder = _CommRecorder(rec.comm)
         shadowed = {name: vars(self).get(name) for name in ("emit", "release", "release_many", "request")}
-        self.emit, self.release, self.release_many, self.request = (
-            rec_emit, rec_release, rec_release_many, rec_request)
-        self._recording = rec
-        self.comm_counters.append(recorder)
+        recording = {"emit": rec_emit, "release": rec_release, "release_many": rec_release_many, "request": rec_request}
+        self._recorders = (recording, shadowed, recorder)
+        self._start_recording(rec)
         try:
             yield rec
         finally:
-            self._recording = None
-            self.comm_counters.remove(recorder)
-            for name, previous in shadowed.items():
-                if previous is None:
-                    vars(self).pop(name, None)
-                else:
-                    setattr(self, name, previous)
+            self._stop_recording()
+            self._recorders = None
             rec.seeds_drawn = self._seed_counter - rec.seed_counter
+
+    def _start_recording(self, rec) -> None:
+        recording, _, recorder = self._recorders
+        for name, method in recording.items():
+            setattr(self, name, method)
+        self._recording = rec
+        self.comm_counters.append(recorder)
+
+    def _stop_recording(self) -> None:
+        _, shadowed, recorder = self._recorders
+        self._recording = None
+        self.comm_counters.remove(recorder)
+        for name, previous in shadowed.items():
+            if previous is None:
+                vars(self).pop(name, None)
+            else:
+                setattr(self, name, previous)
+
+    @property
+    def is_recording(self) -> bool:
+        """True while a capture (``dt.compile``, ``dt.capture``) records what this session emits."""
+        return self._recording is not None
+
+    @contextlib.contextmanager
+    def unrecorded(self):
+        """Emit the block's work eagerly, outside the running recording (if any).
+
+        What the block makes is state that exists before the captured step (a replay reads and
+        updates it, never makes it again): its ids go to ``Recording.outside``.
+        """
+        rec = self._recording
+        if rec is None:
+            yield
+            return
+        first = self._tid
+        self._stop_recording()
+        try:
+            yield
+        finally:
+            rec.outside.update(range(first + 1, self._tid + 1))
+            self._start_recording(rec)
 
     def define_program(self, program: Program) -> int:
         """Send ``program`` to the workers; its id for :meth:`run_program`."""

@@ -41,6 +41,23 @@ class Recording:
     reads: list = attrs.field(factory=list)  # user source lines of value reads
     comm: list = attrs.field(factory=list)  # CommEvents issued (what a replay reports to comm counters)
     seeds_drawn: int = 0
+    # ids made while the recording ran but outside it (Session.unrecorded): state, like older ids
+    outside: set = attrs.field(factory=set)
+
+
+@attrs.frozen
+class _Made:
+    """Which tensor ids the recorded step made: those above ``first_tid`` but for ``outside``."""
+
+    first_tid: int
+    outside: frozenset
+
+    def __contains__(self, tid) -> bool:
+        return self.first_tid < tid < VIRTUAL_BASE and tid not in self.outside
+
+    def state(self, tid) -> bool:
+        """Made before the step (or outside it): read and written in place under its own id."""
+        return tid <= self.first_tid or tid in self.outside
 
 
 @attrs.frozen
@@ -110,7 +127,7 @@ def build_program(rec: Recording, input_tids, output_tids, pure_plans, describe,
     (None: fuse nothing) says whether a plan's unseeded calls may run inside a fused segment.
     """
     body = [ins for ins in rec.instructions if type(ins) in _BODY_TYPES]
-    made = rec.first_tid
+    made = _Made(rec.first_tid, frozenset(rec.outside))
     released = set(rec.released)
 
     ids: dict = {}
@@ -120,7 +137,7 @@ def build_program(rec: Recording, input_tids, output_tids, pure_plans, describe,
     for k, tid in enumerate(output_tids):
         if tid in ids:
             outputs.append(ids[tid])  # an input (or an output listed twice) returned as is
-        elif tid > made:
+        elif tid in made:
             ids[tid] = _OUTPUT_BASE + k
             outputs.append(ids[tid])
         else:
@@ -163,7 +180,7 @@ def _check_rerunnable(body, made, released, own_ids, describe) -> None:
     """A replay reads what the step read: state it read must outlive the step."""
     for ins in body:
         for tid in reads_of(ins):
-            if tid <= made and tid not in own_ids and tid in released:
+            if made.state(tid) and tid not in own_ids and tid in released:
                 raise CaptureError(
                     f"the captured step reads a tensor made before it and then frees it ({describe(ins)}); "
                     "a replay would find it gone. This happens when the step replaces state instead of "
@@ -179,7 +196,7 @@ def _signature(body, made) -> tuple:
     def name(tid):
         if tid >= VIRTUAL_BASE:
             return ("io", tid)
-        if tid > made:
+        if tid in made:
             return ("made", order.setdefault(tid, len(order)))
         return ("state", tid)
 
@@ -226,7 +243,7 @@ def _eliminate_dead(body, made, released, outputs, pure_plans) -> list:
     """Drop pure work whose results are neither used later, kept, nor returned."""
 
     def temporary(tid):
-        return made < tid < VIRTUAL_BASE and tid in released
+        return tid in made and tid in released
 
     needed = set(outputs)
     for ins in body:
@@ -351,7 +368,7 @@ def _free_at_last_use(body, made, released, outputs) -> list:
         if type(ins) is Delete:
             continue
         for tid in reads_of(ins) + writes_of(ins):
-            if made < tid < VIRTUAL_BASE and tid in released and tid not in outputs:
+            if tid in made and tid in released and tid not in outputs:
                 last[tid] = i
     frees: dict = {}
     for tid, i in last.items():
@@ -359,7 +376,7 @@ def _free_at_last_use(body, made, released, outputs) -> list:
     out = []
     for i, ins in enumerate(body):
         if type(ins) is Delete:
-            older = tuple(t for t in ins.tids if t <= made)
+            older = tuple(t for t in ins.tids if made.state(t))
             if older:
                 out.append(Delete(older))
             continue

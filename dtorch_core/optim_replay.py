@@ -1,0 +1,236 @@
+"""torch.optim steps that replay under ``dt.compile``, with no change to the user's code.
+
+A non-capturable ``torch.optim.Adam`` keeps its step count in a CPU tensor and computes the bias
+corrections on the controller as Python numbers, and an ``lr_scheduler`` writes a new float
+``group["lr"]`` each epoch: a captured step would freeze both. Two global optimizer step hooks
+(installed once at import, see :func:`install`) act while a capture records the step of an
+optimizer whose parameters are DTensors:
+
+- groups with a ``capturable`` setting (Adam, AdamW, ...) switch to ``capturable=True`` for good,
+  so torch itself computes the step count and corrections on the workers; each ``step`` state
+  becomes a replicated DTensor. These conversions are made outside the recording: they are state
+  that exists before the program (a replay must not reset the count).
+- for the duration of such a step, a float ``lr`` is replaced by a 0-d replicated DTensor
+  *mirror* (torch accepts a Tensor lr when capturable); the user and the scheduler keep seeing the
+  float. Before each replay the mirrors whose float changed are rewritten (:meth:`Guards.ready`).
+- every other float setting (and the lr of optimizers with no tensor-lr path, like SGD) is
+  snapshot at capture; a replay whose optimizer settings differ is captured again instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+
+import attrs
+import structlog
+import torch
+from torch.optim import optimizer as torch_optimizer
+
+from .api import distribute_tensor
+from .placement import Replicate
+from .tensor import DTensor
+
+log = structlog.get_logger(__name__)
+
+_SETTING_TYPES = (int, float, bool, str, tuple, type(None))
+_tracked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _Tracked
+_watchers: list = []  # lists filled by steps_taken() blocks with (tracked, settings) per step
+
+
+@attrs.define(eq=False)
+class _Mirror:
+    """The 0-d DTensor a group's ``lr`` reads during a captured step, and the float it holds."""
+
+    tensor: DTensor
+    value: float
+
+    def refresh(self, value: float) -> None:
+        if value != self.value:
+            with torch.no_grad():  # a plain 0-d tensor: one Put and one cached copy_ plan, any value
+                self.tensor.copy_(torch.tensor(value, dtype=self.tensor.dtype))
+            self.value = value
+
+
+@attrs.define(eq=False)
+class _Tracked:
+    """What the hooks keep for one optimizer whose steps were captured."""
+
+    optimizer: weakref.ref
+    session: object
+    capturable: set = attrs.field(factory=set)  # indices of groups switched to capturable=True
+    mirrors: dict = attrs.field(factory=dict)  # group index -> _Mirror
+    floats: dict = attrs.field(factory=dict)  # during a step: group index -> the float lr to restore
+    patched: list = attrs.field(factory=list)  # during a step: (module, original lookup)
+
+    def settings(self) -> tuple:
+        """The hyper-parameters a captured step froze (mirrored lrs are not frozen)."""
+        opt = self.optimizer()
+        return tuple(
+            tuple((k, v) for k, v in group.items()
+                  if k != "params" and type(v) in _SETTING_TYPES and not (k == "lr" and i in self.mirrors))
+            for i, group in enumerate(opt.param_groups))
+
+    def refresh(self) -> None:
+        groups = self.optimizer().param_groups
+        for i, mirror in self.mirrors.items():
+            lr = groups[i]["lr"]
+            if type(lr) is float:
+                mirror.refresh(lr)
+
+
+def _dtensor_session(opt):
+    for group in opt.param_groups:
+        for p in group["params"]:
+            return p._handle.session if type(p) is DTensor else None
+    return None
+
+
+def _convert(opt, tracked: _Tracked) -> None:
+    """Switch capturable groups to device step counts and give them lr mirrors (not recorded)."""
+    for i, group in enumerate(opt.param_groups):
+        params = group["params"]
+        if "capturable" not in group or not params or not all(type(p) is DTensor for p in params):
+            continue
+        group["capturable"] = True
+        tracked.capturable.add(i)
+        for p in params:
+            state = opt.state.get(p)
+            step = state.get("step") if state else None
+            if isinstance(step, torch.Tensor) and type(step) is not DTensor:
+                state["step"] = distribute_tensor(step.detach(), p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+        mesh = params[0].device_mesh
+        if i not in tracked.mirrors and type(group["lr"]) is float and all(p.device_mesh == mesh for p in params):
+            lr = torch.tensor(group["lr"], dtype=torch.float32)
+            tracked.mirrors[i] = _Mirror(distribute_tensor(lr, mesh, [Replicate()] * mesh.ndim), group["lr"])
+
+
+def _patch_capturable_devices(opt, tracked: _Tracked) -> None:
+    """Let torch's capturable check accept the handles' device type for this step only.
+
+    torch refuses ``capturable=True`` for parameters whose device type is not one it can capture
+    CUDA graphs for (cuda, xpu, hpu, ...), and a DTensor of a CPU mesh reports ``cpu``. The check
+    guards CUDA-graph capture, not the math: the capturable update is ordinary tensor ops, which
+    dtorch runs on the workers whatever their device. The functions that run the step look the
+    name up in their module's globals (``from .optimizer import _get_capturable_supported_devices``
+    in torch/optim/adam.py, as in torch 2.11), so the name is rebound in the modules of the
+    optimizer's classes for the duration of the step, and restored by the post-hook.
+    """
+    original = torch_optimizer._get_capturable_supported_devices
+    devices = {p.device.type for group in opt.param_groups for p in group["params"]}
+    if devices <= set(original()):
+        return
+
+    def supported(*args, **kwargs):
+        return [*original(*args, **kwargs), *sorted(devices)]
+
+    for cls in type(opt).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if module is not None and getattr(module, "_get_capturable_supported_devices", None) is original:
+            module._get_capturable_supported_devices = supported
+            tracked.patched.append((module, original))
+
+
+def _pre_hook(opt, args, kwargs) -> None:
+    tracked = _tracked.get(opt)
+    if tracked is None:
+        session = _dtensor_session(opt)
+        if session is None or not session.is_recording:
+            return
+        tracked = _tracked[opt] = _Tracked(weakref.ref(opt), session)
+    session = tracked.session
+    if session.is_recording:
+        with session.unrecorded():
+            _convert(opt, tracked)
+            tracked.refresh()
+        groups = opt.param_groups
+        for i, mirror in tracked.mirrors.items():
+            if type(groups[i]["lr"]) is float:
+                tracked.floats[i] = groups[i]["lr"]
+                groups[i]["lr"] = mirror.tensor
+        for watcher in _watchers:
+            watcher.append((tracked, tracked.settings()))
+    if tracked.capturable:
+        _patch_capturable_devices(opt, tracked)
+
+
+def _post_hook(opt, args, kwargs) -> None:
+    tracked = _tracked.get(opt)
+    if tracked is not None:
+        _restore(opt, tracked)
+
+
+def _restore(opt, tracked: _Tracked) -> None:
+    groups = opt.param_groups
+    for i, lr in tracked.floats.items():
+        if groups[i]["lr"] is tracked.mirrors[i].tensor:
+            groups[i]["lr"] = lr
+    tracked.floats.clear()
+    for module, original in reversed(tracked.patched):
+        module._get_capturable_supported_devices = original
+    tracked.patched.clear()
+
+
+@attrs.frozen(eq=False)
+class Guards:
+    """The optimizers a captured step used, with the settings it froze."""
+
+    steps: tuple  # (tracked, settings) per optimizer step taken
+
+    @property
+    def settings(self) -> tuple:
+        return tuple((id(t), s) for t, s in self.steps)
+
+    def ready(self) -> bool:
+        """Rewrite the lr mirrors that changed; False when a frozen setting changed (re-capture)."""
+        for tracked, settings in self.steps:
+            opt = tracked.optimizer()
+            if opt is None:
+                continue
+            if tracked.settings() != settings:
+                return False
+            tracked.refresh()
+        return True
+
+    def changed(self) -> str:
+        """Which frozen settings differ now (for messages)."""
+        for tracked, settings in self.steps:
+            opt = tracked.optimizer()
+            if opt is None:
+                continue
+            for i, (old, new) in enumerate(zip(settings, tracked.settings())):
+                diff = {k: (v, dict(new).get(k)) for k, v in old if dict(new).get(k) != v}
+                if diff:
+                    return f"{type(opt).__name__} group {i}: " + ", ".join(
+                        f"{k} {a!r} -> {b!r}" for k, (a, b) in diff.items())
+        return "nothing"
+
+
+@contextlib.contextmanager
+def steps_taken():
+    """Collect the optimizer steps the block takes while recording (make :class:`Guards` of them).
+
+    Whatever a step left switched (an lr mirror, the patched device check) is put back at the end,
+    also when the step raised.
+    """
+    steps: list = []
+    _watchers.append(steps)
+    try:
+        yield steps
+    finally:
+        _watchers.remove(steps)
+        for tracked, _ in steps:
+            opt = tracked.optimizer()
+            if opt is not None:
+                _restore(opt, tracked)
+
+
+_installed: list = []
+
+
+def install() -> None:
+    """Register the global step hooks once (``dtorch_core`` calls this at import)."""
+    if not _installed:
+        _installed.append(torch_optimizer.register_optimizer_step_pre_hook(_pre_hook))
+        _installed.append(torch_optimizer.register_optimizer_step_post_hook(_post_hook))
