@@ -21,11 +21,13 @@ LOSSES = {
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_loss_on_uneven_shards(mesh, name, reduction):
+@pytest.mark.parametrize("sharded", [True, False], ids=["uneven_shards", "replicated"])
+def test_loss_on_uneven_shards(mesh, name, reduction, sharded):
     fn = LOSSES[name]
     x = torch.randn(7, 3, requires_grad=True)
     y = torch.randn(7, 3)
-    place = [dt.Shard(0)] + [dt.Shard(1)] * (mesh.ndim - 1)  # 7 rows on 4 or 2 ranks: uneven
+    # 7 rows on 4 or 2 ranks: uneven; replicated inputs run torch's own loss op on each worker
+    place = [dt.Shard(0)] + [dt.Shard(1)] * (mesh.ndim - 1) if sharded else [dt.Replicate()] * mesh.ndim
     dx = dt.distribute_tensor(x.detach(), mesh, place).requires_grad_()
     dy = dt.distribute_tensor(y, mesh, place)
     dt.set_strict(True)

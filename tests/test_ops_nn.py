@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import dtorch_core as dt
+from dtorch_core.controller.session import current_session
 
 from .helpers import assert_close, check, distribute, on_mesh
 
@@ -97,6 +98,35 @@ def test_rms_norm(mesh, spec, with_weight):
     w = torch.randn(6)
     check(mesh, lambda x, w: F.rms_norm(x, (6,), w if with_weight else None, eps=1e-5), [x, w], [spec, (R, R)],
           grad=(0, 1) if with_weight else (0,))
+
+
+FUSED_RMS_NORM = getattr(torch.ops.aten, "_fused_rms_norm", None)
+
+
+@pytest.mark.skipif(FUSED_RMS_NORM is None, reason="this torch has no aten._fused_rms_norm")
+@pytest.mark.parametrize("spec,normalized,with_weight", [((S0, R), 1, True), ((S1, S0), 1, False),
+                                                         ((S0, S1), 2, True), ((P, S0), 1, True)], ids=str)
+def test_fused_rms_norm_runs_on_the_shards(mesh, spec, normalized, with_weight):
+    # F.rms_norm calls this op on CUDA tensors (so on the handles of a cuda mesh); the workers
+    # run it and its backward themselves, never a decomposition into elementwise ops
+    x = torch.randn(10, 7, 6)
+    shape = list(x.shape[-normalized:])
+    w = torch.randn(shape)
+
+    def fn(x, w):
+        return FUSED_RMS_NORM.default(x, shape, w if with_weight else None, 1e-5)
+
+    s = current_session()
+    with s.recording() as rec:
+        out = check(mesh, fn, [x, w], [spec, (R, R)], grad=(0, 1) if with_weight else (0,))
+    targets = {s.plan_names[i.plan_id].target for i in rec.instructions if type(i).__name__ == "Call"}
+    # where torch has a kernel of the op for the mesh's device (CUDA), the op reaches dtorch whole;
+    # elsewhere torch itself decomposes it before any tensor subclass sees it
+    if torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", mesh.device_type.upper()):
+        assert {"aten::_fused_rms_norm", "aten::_fused_rms_norm_backward"} <= targets
+        assert not {"aten::rsqrt", "aten::pow.Tensor_Scalar"} & targets
+    if spec[0] == S0:
+        assert out[0].placements == tuple(on_mesh(mesh, spec))
 
 
 @pytest.mark.filterwarnings("ignore:dtorch. aten.add_.Scalar has no sharding rule")

@@ -1,12 +1,18 @@
 """Elementwise losses (mse, l1, smooth-l1/huber, binary cross entropy) and their backward ops.
 
-They are decomposed on the controller into pointwise ops and a sum, then divided by the global
-element count: a mean over uneven shards stays exact (averaging per-shard means would not be).
+When an input is sharded (or a partial sum) they are decomposed on the controller into pointwise
+ops and a sum, then divided by the global element count: a mean over uneven shards stays exact
+(averaging per-shard means would not be). When every input is whole on each worker, the workers
+run torch's own loss op.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..planner.dispatch import dispatch_direct
+from ..tensor import DTensor
+from .common import replicate_all
 
 aten = torch.ops.aten
 NONE, MEAN, SUM = 0, 1, 2
@@ -94,6 +100,26 @@ def binary_cross_entropy_backward(grad_output, input, target, weight=None, reduc
     return _scale_grad(g, grad_output, reduction, input.numel())
 
 
+def _replicated(x) -> bool:
+    return not isinstance(x, DTensor) or x._spec.is_replicated()
+
+
+def replicated_rule(call):
+    return [replicate_all(call)]
+
+
+def local_unless_sharded(op, decomposition):
+    """Run ``op`` itself on the workers when every input is whole on each of them (torch's one
+    kernel); decompose only when a shard or a partial sum must be reduced across workers."""
+
+    def run(*args, **kwargs):
+        if all(_replicated(a) for a in args) and all(_replicated(v) for v in kwargs.values()):
+            return dispatch_direct(op, args, kwargs)
+        return decomposition(*args, **kwargs)
+
+    return run
+
+
 def register(registry) -> None:
     for op, fn in (
         (aten.mse_loss.default, mse_loss),
@@ -105,4 +131,5 @@ def register(registry) -> None:
         (aten.binary_cross_entropy.default, binary_cross_entropy),
         (aten.binary_cross_entropy_backward.default, binary_cross_entropy_backward),
     ):
-        registry.add_decomposition(op, fn)
+        registry.add(op, replicated_rule, replace=True)
+        registry.add_decomposition(op, local_unless_sharded(op, fn))

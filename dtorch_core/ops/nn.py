@@ -79,19 +79,27 @@ def layer_norm_rule(call):
     return out
 
 
-def layer_norm_backward_rule(call):
-    # inputs: grad_out, input, mean, rstd, [weight], [bias]; outputs: grad_input, grad_weight, grad_bias
-    x = call.inputs[1]
-    k = len(call.args[2])
-    n_in = len(call.inputs)
-    out = [replicate_all(call)]
-    for d in range(x.ndim - k):
-        ins = (Shard(d),) * 4 + (R,) * (n_in - 4)
-        outs = (Shard(d), PSUM, PSUM)
-        out.append(Strategy(ins, outs))
-    for p in LINEAR_PARTIALS:
-        out.append(Strategy((p,) + (R,) * (n_in - 1), (p, p, p)))
-    return out
+def norm_backward_rule(row_inputs: int):
+    """The backward of a norm over the trailing dims (layer norm, fused RMS norm): a shard of a
+    leading dim passes through the first ``row_inputs`` tensor inputs (the gradient, the input
+    and the saved per-row statistics) and the input gradient; the affine gradients are partial
+    sums. Everything is linear in the incoming gradient, so its Partial passes through."""
+
+    def rule(call):
+        # layer norm: grad_out, input, mean, rstd, [weight], [bias] -> grad_input, grad_weight, grad_bias
+        # fused rms norm: grad_out, input, rstd, [weight] -> grad_input, grad_weight
+        x = call.inputs[1]
+        k = len(call.args[2])
+        n_in, n_out = len(call.inputs), len(call.outputs)
+        out = [replicate_all(call)]
+        for d in range(x.ndim - k):
+            ins = (Shard(d),) * row_inputs + (R,) * (n_in - row_inputs)
+            out.append(Strategy(ins, ((Shard(d),) + (PSUM,) * (n_out - 1))))
+        for p in LINEAR_PARTIALS:
+            out.append(Strategy((p,) + (R,) * (n_in - 1), (p,) * n_out))
+        return out
+
+    return rule
 
 
 def embedding_rule(call):
@@ -335,15 +343,12 @@ def register(registry) -> None:
     for op in (aten._softmax_backward_data.default, aten._log_softmax_backward_data.default):
         registry.add(op, softmax_backward_rule, replace=True)
     registry.add(aten.native_layer_norm.default, layer_norm_rule)
-    # F.rms_norm on CUDA tensors (the handles of a cuda mesh) calls the fused op; torch's own
-    # decompositions turn it and its backward into ops with rules
-    from torch._decomp import decomposition_table
-
-    for name in ("_fused_rms_norm", "_fused_rms_norm_backward"):
-        op = getattr(getattr(aten, name, None), "default", None)
-        if op is not None and op in decomposition_table:
-            registry.add_decomposition(op, decomposition_table[op], replace=True)
-    registry.add(aten.native_layer_norm_backward.default, layer_norm_backward_rule)
+    registry.add(aten.native_layer_norm_backward.default, norm_backward_rule(4))
+    # F.rms_norm on CUDA tensors (the handles of a cuda mesh) calls the fused op: the workers run
+    # it (one kernel each way, as torch does), not its decomposition into elementwise ops
+    if hasattr(aten, "_fused_rms_norm"):
+        registry.add(aten._fused_rms_norm.default, layer_norm_rule, replace=True)
+        registry.add(aten._fused_rms_norm_backward.default, norm_backward_rule(3), replace=True)
     registry.add(aten.embedding.default, Rule(embedding_rule, embedding_localize, "dtorch::embedding"))
     registry.add(
         aten.embedding_dense_backward.default,
