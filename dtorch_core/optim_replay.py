@@ -132,15 +132,21 @@ def _patch_capturable_devices(opt, tracked: _Tracked) -> None:
             tracked.patched.append((module, original))
 
 
+def _capturing(session) -> bool:
+    """A step is being captured for replay (dt.compile / dt.capture record inside
+    :func:`steps_taken`); other recordings (tests, debugging tools) leave optimizers alone."""
+    return bool(_watchers) and session.is_recording
+
+
 def _pre_hook(opt, args, kwargs) -> None:
     tracked = _tracked.get(opt)
     if tracked is None:
         session = _dtensor_session(opt)
-        if session is None or not session.is_recording:
+        if session is None or not _capturing(session):
             return
         tracked = _tracked[opt] = _Tracked(weakref.ref(opt), session)
     session = tracked.session
-    if session.is_recording:
+    if _capturing(session):
         with session.unrecorded():
             _convert(opt, tracked)
             tracked.refresh()

@@ -1,0 +1,108 @@
+"""The workers run the aten ops torch runs for real model blocks, not decompositions of them.
+
+For each block of bench/_blocks.py (Llama, GPT-2, T5, DiT) with every tensor whole on each worker
+(parameters and batch replicated), the ops of a training step that the workers are sent (the
+``Call`` instructions recorded on the controller) must be the same multiset as the aten ops
+plain torch runs for the same step on the same device (seen by a TorchDispatchMode): the same
+norm, attention, loss and activation kernels, and no extra copies. The losses match too.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import os
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import dtorch_core as dt
+from dtorch_core.controller.session import current_session
+from dtorch_core.ir.instructions import Call, DefinePlan
+
+from .helpers import DEVICE, assert_close
+
+_BLOCKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "_blocks.py")
+_spec = importlib.util.spec_from_file_location("dtorch_bench_blocks", _BLOCKS)
+blocks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(blocks)
+
+# dtorch kernels that run one aten op when the whole tensor is on the worker, by the op's name
+KERNEL_OPS = {"dtorch::embedding": "embedding", "dtorch::embedding_backward": "embedding_dense_backward",
+              "dtorch::mean": "mean.dim"}
+# the same work under another name on the worker:
+# - squeeze.dims: dtorch squeezes the dims that are 1 globally (a local shard may have others)
+# - a zero tensor that an autograd formula makes with ``at::zeros`` (the gradient of an unused
+#   chunk) is a factory call no tensor subclass sees: the controller makes it and sends it (Put)
+EQUIVALENT = {"squeeze.dims": "squeeze.dim", "<Put>": "zeros"}
+
+
+def _name(op_or_target: str) -> str:
+    name = KERNEL_OPS.get(op_or_target, op_or_target)
+    name = name.split("/")[-1].replace("aten::", "").replace("aten.", "")
+    name = name[: -len(".default")] if name.endswith(".default") else name
+    return EQUIVALENT.get(name, name)
+
+
+class _TorchOps(TorchDispatchMode):
+    """The aten ops torch runs on the model's tensors. Not counted: the optimizer's step
+    counters (CPU tensors that torch.optim updates and reads on the host, on the controller in
+    dtorch too), the constants it makes for them (``lift_fresh``) and profiler markers."""
+
+    def __init__(self, opt):
+        super().__init__()
+        self.ops = collections.Counter()
+        self.opt = opt
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        steps = {id(s["step"]) for s in self.opt.state.values() if isinstance(s.get("step"), torch.Tensor)}
+        flat = torch.utils._pytree.tree_leaves((args, kwargs))
+        host = func.namespace == "profiler" or func is torch.ops.aten.lift_fresh.default
+        if not host and not any(id(t) in steps for t in flat):
+            self.ops[_name(str(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _worker_ops(rec, session) -> collections.Counter:
+    ops = collections.Counter()
+    for ins in rec.instructions:
+        if type(ins) is Call:
+            ops[_name(session.plan_names[ins.plan_id].target)] += 1
+        elif type(ins) is not DefinePlan:
+            ops[_name(f"<{type(ins).__name__}>")] += 1
+    return ops
+
+
+@pytest.mark.parametrize("family", blocks.FAMILIES)
+def test_workers_run_the_ops_torch_runs(mesh1d, family):
+    torch.manual_seed(0)
+    model, batch_fn, loss_fn = blocks.make(family, "tiny")
+    dmodel, _, _ = blocks.make(family, "tiny")
+    dmodel.load_state_dict(model.state_dict())
+    model = model.to(DEVICE)
+    dmodel = dt.nn.parallelize_module(dmodel, mesh1d, {})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    dopt = torch.optim.AdamW(dmodel.parameters(), lr=1e-2, foreach=True)
+    session = current_session()
+    for step in range(2):  # the second step has optimizer state, as every later one
+        batch = batch_fn(step)
+        dbatch = tuple(dt.distribute_tensor(t, mesh1d, [dt.Replicate()]) for t in batch)
+        batch = tuple(t.to(DEVICE) for t in batch)
+        with _TorchOps(opt) as seen:
+            loss = loss_fn(model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        with session.recording() as rec:
+            dloss = loss_fn(dmodel, dbatch)
+            dloss.backward()
+            dopt.step()
+            dopt.zero_grad()
+        assert_close(dloss.full_tensor().cpu(), loss.detach().cpu(), rtol=1e-4, atol=1e-5)
+        sent = _worker_ops(rec, session)
+        missing, extra = seen.ops - sent, sent - seen.ops
+        assert not missing and not extra, (
+            f"{family} step {step}: torch ran {dict(missing)} that the workers did not; the workers ran "
+            f"{dict(extra)} that torch did not")
+    assert dt.fallback_counts() == {}
