@@ -1,16 +1,21 @@
 """``_foreach_*`` ops (what torch.optim uses), clip_grad_norm_ and foreach optimizers on lists of
 distributed tensors with mixed, uneven placements, against the same calls on plain tensors.
-Strict mode is on: every element runs through its single-tensor rule."""
+Strict mode is on (nothing falls back). A foreach call is one worker call of the aten foreach op
+whatever the list length (recorded instructions are counted), ``_foreach_norm`` a fixed handful;
+what the foreach rule cannot serve still runs element by element."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 import dtorch_core as dt
+from dtorch_core.controller.session import current_session
+from dtorch_core.ir.instructions import Call, Collective, DefinePlan
+from dtorch_core.redistribute import plan_redistribute
 
-from .helpers import assert_close, distribute, on_mesh
+from .helpers import WORLD_SIZE, assert_close, distribute, on_mesh
 
 R, P = dt.Replicate(), dt.Partial("sum")
 S0, S1 = dt.Shard(0), dt.Shard(1)
@@ -171,8 +176,10 @@ def test_clip_grad_norm_error_if_nonfinite(mesh):
 # foreach optimizers (the same _foreach_* calls, issued by torch.optim)
 # ---------------------------------------------------------------------------------------------
 OPTIMIZERS = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.1, foreach=True),
     "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.1, amsgrad=True, foreach=True),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1, foreach=True),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
     "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, foreach=True),
 }
 
@@ -181,8 +188,16 @@ OPTIMIZERS = {
 def test_foreach_optimizer_steps(mesh, name):
     plain, dist = _params_with_grads(mesh, 1.0)
     opt, ref_opt = OPTIMIZERS[name](dist), OPTIMIZERS[name](plain)
-    for step in range(3):
-        opt.step()
+    for step in range(4):
+        if step == 2:  # state exists by now: one worker call per foreach call, none per element
+            with current_session().recording() as rec:
+                opt.step()
+            targets = _call_targets(rec)
+            assert sum(t.startswith("aten::_foreach_") for t in targets) >= 3, targets
+            # what is not a foreach call works on a scalar (AdamW's lr * weight_decay), once
+            assert all(targets.count(t) == 1 for t in targets if not t.startswith("aten::_foreach_")), targets
+        else:
+            opt.step()
         ref_opt.step()
         for d, p in zip(dist, plain):
             d.grad.mul_(0.5)  # a new gradient each step, placements unchanged
@@ -190,3 +205,170 @@ def test_foreach_optimizer_steps(mesh, name):
     for d, p in zip(dist, plain):
         assert_close(d, p.detach(), atol=1e-5, rtol=1e-4)
     assert dt.fallback_counts() == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# one worker call per foreach call
+# ---------------------------------------------------------------------------------------------
+MIXED = [(S0, R), (R, S1), (R, R), (S1, S0)]  # a colwise, a rowwise, a replicated, a 2-D weight
+
+
+def _mixed_lists(mesh, n, n_lists, specs=MIXED, seed=0):
+    """``n_lists`` lists of ``n`` tensors of uneven shapes; element k of every list has the
+    shape and the placements ``specs[k % len(specs)]`` unless ``specs`` is a list of lists."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(5 + k % 4, 3 + k % 3) for k in range(n)]
+    plain = [[torch.randn(s, generator=gen).abs() + 0.1 for s in shapes] for _ in range(n_lists)]
+    per_list = specs if isinstance(specs[0], list) else [specs] * n_lists
+    dist = [[distribute(t, mesh, on_mesh(mesh, sp[k % len(sp)])) for k, t in enumerate(ts)]
+            for ts, sp in zip(plain, per_list)]
+    return plain, dist
+
+
+def _call_targets(rec):
+    session = current_session()
+    return [session.plan_names[i.plan_id].target for i in rec.instructions if type(i) is Call]
+
+
+def _count(rec, kind):
+    return sum(type(i) is kind for i in rec.instructions)
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_foreach_is_one_call(mesh, n):
+    (pa, pb), (a, b) = _mixed_lists(mesh, n, 2)
+    torch._foreach_add_(a, b, alpha=0.5)  # plans it
+    torch._foreach_add_(pa, pb, alpha=0.5)
+    with current_session().recording() as rec:
+        torch._foreach_add_(a, b, alpha=0.5)
+        out = torch._foreach_mul(a, 2.0)
+    torch._foreach_add_(pa, pb, alpha=0.5)
+    assert _call_targets(rec) == ["aten::_foreach_add_.List", "aten::_foreach_mul.Scalar"]
+    assert _count(rec, Collective) == 0  # the lists share placements: nothing moves
+    for d, p, o in zip(a, pa, out):
+        assert_close(d, p)
+        assert_close(o, p * 2.0)
+        assert o.placements == d.placements
+    assert dt.fallback_counts() == {}
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_foreach_moves_only_what_differs(mesh, n):
+    # list b places element k as list a places element k + 1: b's elements move to a's placements
+    specs_b = MIXED[1:] + MIXED[:1]
+    (pa, pb), (a, b) = _mixed_lists(mesh, n, 2, specs=[MIXED, specs_b])
+    for k in range(n):  # the shapes must agree per position: give b a's shapes where they differ
+        if pb[k].shape != pa[k].shape:
+            pb[k] = torch.randn(pa[k].shape) + 2.0
+            b[k] = distribute(pb[k], mesh, on_mesh(mesh, specs_b[k % len(MIXED)]))
+    expected_moves = sum(len(plan_redistribute(y.placements, x.placements)) for x, y in zip(a, b))
+    with current_session().recording() as rec:
+        torch._foreach_mul_(a, b)
+    torch._foreach_mul_(pa, pb)
+    assert _call_targets(rec) == ["aten::_foreach_mul_.List"]
+    assert _count(rec, Collective) == expected_moves
+    for d, p, placements in zip(a, pa, [on_mesh(mesh, MIXED[k % len(MIXED)]) for k in range(n)]):
+        assert list(d.placements) == placements  # the written list keeps its placements
+        assert_close(d, p)
+
+
+def test_foreach_new_numbers_are_not_planned_again(mesh):
+    (pa, pb, pc), (a, b, c) = _mixed_lists(mesh, 12, 3)
+    for step in range(3):
+        values = [0.1 * (step + 1) + k for k in range(12)]  # Adam's step_size changes every step
+        with current_session().recording() as rec:
+            torch._foreach_addcdiv_(a, b, c, values)
+        torch._foreach_addcdiv_(pa, pb, pc, values)
+        assert _call_targets(rec) == ["aten::_foreach_addcdiv_.ScalarList"]
+        assert _count(rec, DefinePlan) == 1  # the numbers live in the worker-side definition
+    for d, p in zip(a, pa):
+        assert_close(d, p)
+
+
+@pytest.mark.parametrize("n", [3, 40])
+def test_foreach_norm_is_a_fixed_handful(mesh, n):
+    (pa,), (a,) = _mixed_lists(mesh, n, 1)
+    for ord_ in (2.0, float("inf")):
+        torch._foreach_norm(a, ord_)
+        with current_session().recording() as rec:
+            norms = torch._foreach_norm(a, ord_)
+        assert _call_targets(rec) == ["dtorch::foreach_powsum", "dtorch::foreach_norm_root"]
+        assert _count(rec, Collective) <= mesh.ndim
+        for got, p in zip(norms, pa):
+            assert got.placements == (R,) * mesh.ndim
+            assert_close(got, torch.linalg.vector_norm(p, ord_))
+
+
+@pytest.mark.parametrize("ord_", [2, 1, 3.5, 0, float("inf")])
+@pytest.mark.parametrize("dtype", [None, torch.float64])
+def test_foreach_norm_uneven_and_empty_shards(mesh, ord_, dtype):
+    gen = torch.Generator().manual_seed(5)
+    # fewer rows or columns than workers: some shards are uneven, some empty; a global empty one
+    shapes = [(1, 3), (WORLD_SIZE - 1, 2), (WORLD_SIZE + 1,), (2, WORLD_SIZE + 2), (0, 3), ()]
+    specs = [(S0, R), (S0, S1), (S0, R), (S1, S0), (S0, R), (R, R)]
+    plain = [torch.randn(s, generator=gen) for s in shapes]
+    plain[1][0, 0] = 0.0  # a zero counts for nothing in the 0-norm
+    if ord_ == float("inf"):  # torch refuses the inf norm of an empty tensor: leave it out
+        plain, specs = plain[:4] + plain[5:], specs[:4] + specs[5:]
+    dist = [distribute(t, mesh, on_mesh(mesh, s)) for t, s in zip(plain, specs)]
+    got = torch._foreach_norm(dist, ord_, dtype=dtype)
+    expected = torch._foreach_norm(plain, ord_, dtype=dtype)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        assert_close(g, e, rtol=1e-6, atol=1e-6)
+    assert dt.fallback_counts() == {}
+
+
+@pytest.mark.parametrize("n", [3, 12])
+def test_clip_grad_norm_foreach_instructions_do_not_grow(mesh, n):
+    gen = torch.Generator().manual_seed(2)
+    grad_specs = [(S0, R), (R, S1), (R, R), (S1, P)]
+    plain, dist = [], []
+    for k in range(n):
+        p = nn.Parameter(torch.randn(5 + k % 4, 3 + k % 3, generator=gen))
+        p.grad = torch.randn(p.shape, generator=gen)
+        plain.append(p)
+        d = nn.Parameter(distribute(p.detach(), mesh, on_mesh(mesh, MIXED[k % 4])))
+        d.grad = distribute(p.grad, mesh, on_mesh(mesh, grad_specs[k % 4]))
+        dist.append(d)
+    nn.utils.clip_grad_norm_(dist, 0.5, foreach=True)
+    nn.utils.clip_grad_norm_(plain, 0.5, foreach=True)
+    with current_session().recording() as rec:
+        total = nn.utils.clip_grad_norm_(dist, 0.5, foreach=True)
+    ref = nn.utils.clip_grad_norm_(plain, 0.5, foreach=True)
+    # the norms, their stack and norm, the clip factor and the one _foreach_mul_
+    assert len(_call_targets(rec)) <= 10, _call_targets(rec)
+    assert "aten::_foreach_mul_.Tensor" in _call_targets(rec)
+    assert_close(total, ref)
+    for d, p in zip(dist, plain):
+        assert_close(d.grad, p.grad)
+    assert dt.fallback_counts() == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# what the rule does not serve runs element by element, as before
+# ---------------------------------------------------------------------------------------------
+def test_foreach_lists_on_different_meshes(runner):
+    m1 = dt.init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("x",))
+    m2 = dt.init_device_mesh("cpu", (1, WORLD_SIZE), mesh_dim_names=("a", "b"))
+    gen = torch.Generator().manual_seed(3)
+    pa = [torch.randn(6, 3, generator=gen), torch.randn(5, generator=gen)]
+    pb = [torch.randn(6, 3, generator=gen), torch.randn(5, generator=gen)]
+    a = [distribute(pa[0], m1, [S0]), distribute(pa[1], m2, [R, S0])]
+    b = [distribute(pb[0], m1, [R]), distribute(pb[1], m2, [R, R])]
+    torch._foreach_add_(a, b, alpha=3.0)
+    norms = torch._foreach_norm(a)
+    for d, x, y, nrm in zip(a, pa, pb, norms):
+        assert_close(d, x + 3.0 * y)
+        assert_close(nrm, torch.linalg.vector_norm(x + 3.0 * y))
+    assert dt.fallback_counts() == {}
+
+
+def test_foreach_scalars_given_as_a_dtensor(mesh):
+    (pa, pb, pc), (a, b, c) = _mixed_lists(mesh, 4, 3)
+    scalars = torch.tensor([0.5, -1.0, 2.0, 0.25])
+    torch._foreach_addcmul_(a, b, c, distribute(scalars, mesh, [R] * mesh.ndim))
+    torch._foreach_addcmul_(pa, pb, pc, scalars)
+    for d, p in zip(a, pa):
+        assert_close(d, p)

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 from ..hookspecs import hookimpl
-from . import (composite, foreach, indexing, kernels, losses, materialize_kernel, matmul, nn, pointwise,
-               reductions, storage_kernels, views)
+from . import (
+    composite,
+    foreach,
+    foreach_norm,
+    foreach_rule,
+    indexing,
+    kernels,
+    losses,
+    materialize_kernel,
+    matmul,
+    nn,
+    pointwise,
+    reductions,
+    storage_kernels,
+    views,
+)
 
 
 @hookimpl
 def dtorch_register_ops(registry) -> None:
-    for family in (pointwise, reductions, matmul, views, indexing, nn, losses, foreach):
+    for family in (pointwise, reductions, matmul, views, indexing, nn, losses, foreach, foreach_rule):
         family.register(registry)
     composite.register(registry)  # last: only ops that got nothing above
 
@@ -19,3 +33,4 @@ def dtorch_register_kernels(registry) -> None:
     kernels.register(registry)
     materialize_kernel.register(registry)
     storage_kernels.register(registry)
+    foreach_norm.register_kernels(registry)

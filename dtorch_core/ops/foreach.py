@@ -1,11 +1,22 @@
-"""``_foreach_*`` ops (what torch.optim uses): each list element is planned as the single op."""
+"""``_foreach_*`` ops (what torch.optim uses): one planned call for the whole list.
+
+The elementwise ops are planned with their rule (``foreach_rule``): one worker call of the aten
+foreach op over the local shards of every element. ``_foreach_norm`` has its own short plan
+(``foreach_norm``). What neither can serve (list elements that are not DTensors or live on
+different meshes, ``scalars`` given as a DTensor, norm orders without an identity) runs as one
+call of the single-tensor op per list element, as it always did.
+"""
 
 from __future__ import annotations
 
 import functools
 
 import torch
+
 from ..tensor import DTensor
+from .foreach_norm import foreach_norm
+from .foreach_plan import NOT_PLANNED, run_foreach
+from .foreach_rule import is_elementwise
 
 aten = torch.ops.aten
 
@@ -42,6 +53,73 @@ def _scalars(value):
 
 
 def foreach_decomposition(op, *args, **kwargs):
+    """Plan ``op`` as one call where its rule or the norm plan can, else element by element."""
+    if op is aten._foreach_norm.Scalar:
+        ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+        dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+        out = foreach_norm(op, args[0] if args else kwargs.get("self"), ord_, dtype)
+        if out is not None:
+            return out
+    elif is_elementwise(op) and (session := _servable(op, args, kwargs)) is not None:
+        op_, args_, kwargs_ = _scalar_tensor_as_list(op, args, kwargs)
+        rule = session.ops.rule_for(op_)
+        if rule is not None:
+            out = run_foreach(session, op_, args_, kwargs_, rule)
+            if out is not NOT_PLANNED:
+                return out
+    return per_element(op, *args, **kwargs)
+
+
+def _servable(op, args, kwargs):
+    """The session, if the rule serves this call: every list element a DTensor, all on one mesh,
+    lists of one length, and no ``scalars`` DTensor (its values would have to be read)."""
+    names = [a.name for a in op._schema.arguments]
+    mesh = session = None
+    length = None
+    for i, v in enumerate(list(args) + list(kwargs.values())):
+        name = names[i] if i < len(args) else list(kwargs)[i - len(args)]
+        if type(v) in (list, tuple) and v and isinstance(v[0], torch.Tensor):
+            if length is None:
+                length = len(v)
+            elif len(v) != length:
+                return None
+            items = v
+        elif isinstance(v, torch.Tensor):
+            if name == "scalars" and type(v) is DTensor:
+                return None
+            if type(v) is not DTensor:
+                continue
+            items = (v,)
+        else:
+            continue
+        for t in items:
+            if type(t) is not DTensor:
+                return None
+            if mesh is None:
+                mesh, session = t._spec.mesh, t._handle.session
+            elif t._spec.mesh != mesh:
+                return None
+    return session if mesh is not None else None
+
+
+def _scalar_tensor_as_list(op, args, kwargs):
+    """A plain ``Tensor scalars`` (one value per element) as the ``ScalarList`` overload: the
+    foreach kernels read it on the host."""
+    names = [a.name for a in op._schema.arguments]
+    if "scalars" not in names or op._overloadname != "Tensor":
+        return op, args, kwargs
+    i = names.index("scalars")
+    args = list(args)
+    if i < len(args) and isinstance(args[i], torch.Tensor):
+        args[i] = args[i].tolist()
+    elif isinstance(kwargs.get("scalars"), torch.Tensor):
+        kwargs = dict(kwargs, scalars=kwargs["scalars"].tolist())
+    else:
+        return op, tuple(args), kwargs
+    return op.overloadpacket.ScalarList, tuple(args), kwargs
+
+
+def per_element(op, *args, **kwargs):
     """Run ``op`` as one call of its single-tensor op per list element."""
     schema = op._schema
     element, write_back = _element(schema.name.split("::")[1], op._overloadname)
@@ -91,16 +169,14 @@ def _split_kwarg_only(packet, args, kwargs):
 
 
 def register(registry) -> None:
-    for name in dir(aten):
-        if not name.startswith("_foreach_"):
+    for schema in torch._C._jit_get_all_schemas():
+        name, overload = schema.name, schema.overload_name
+        if not name.startswith("aten::_foreach_") or "out" in overload:
             continue
-        packet = getattr(aten, name)
-        for overload in packet.overloads():
-            op = getattr(packet, overload)
-            if overload == "out" or "out" in overload:
-                continue
-            try:
-                _element(name, overload)
-            except AttributeError:
-                continue
-            registry.add_decomposition(op, functools.partial(foreach_decomposition, op))
+        name = name[len("aten::"):]
+        op = getattr(getattr(aten, name), overload or "default")
+        try:
+            _element(name, op._overloadname)
+        except AttributeError:
+            continue  # no single-tensor op to fall back on: the rule alone (foreach_rule) serves it
+        registry.add_decomposition(op, functools.partial(foreach_decomposition, op))

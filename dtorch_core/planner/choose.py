@@ -136,7 +136,7 @@ def plan_direct(session, func, args, kwargs, inputs, rule: Rule, mesh, view, *, 
     if force_replicate:
         strategies = [Strategy((Replicate(),) * n_in, (Replicate(),) * n_out)]
     else:
-        strategies = rule.strategies(OpCall(func, m_args, m_kwargs, tuple(metas), tuple(flat_out)))
+        strategies = rule.strategies(OpCall(func, m_args, m_kwargs, tuple(metas), tuple(flat_out), tuple(specs)))
     for s in strategies:
         if len(s.inputs) != n_in or len(s.outputs) != n_out:
             raise OpError(f"rule for {func} returned {s} for {n_in} inputs and {n_out} outputs")
@@ -234,7 +234,7 @@ def _localize_all(req: PlanRequest, in_specs, out_specs) -> dict | None:
         else:
             a, kw = req.template_args, req.template_kwargs
         results[rank] = (a, kw)
-        if req.trusted or rule.kernel is not None:
+        if req.trusted or rule.kernel is not None or not rule.check_local:
             continue
         local_in = tuple(tuple(n for _, n in r) for r in in_regions)
         # the arguments hold Slots and scalars only (tensors are slots): repr identifies them

@@ -97,10 +97,11 @@ def session_of(func, inputs):
 def build_plan(session, func, args, kwargs, inputs):
     if func in _SYNC_OPS:
         return FunctionPlan(lambda *a, **kw: run_on_controller(func, a, kw))
-    mesh, view = common_mesh(func, inputs)
     decomposition = session.ops.decomposition_for(func)
     if decomposition is not None:
+        # the ops it calls check their own meshes (a foreach list may span several)
         return FunctionPlan(decomposition)
+    mesh, view = common_mesh(func, inputs)
     rule = session.ops.rule_for(func)
     if rule is None:
         return fallback_plan(session, func)
