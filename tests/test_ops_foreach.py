@@ -285,6 +285,24 @@ def test_foreach_new_numbers_are_not_planned_again(mesh):
         assert_close(d, p)
 
 
+def test_eager_adam_steps_do_not_grow_the_plan_tables(mesh1d):
+    # a non-capturable Adam sends new step sizes every step and alternates fixed numbers (betas,
+    # eps) between calls of one key: fixed ones stay defined, changing ones replace the oldest
+    # definition, so after the first steps nothing new is defined on the workers
+    model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3))
+    dt.nn.parallelize_module(model, mesh1d, {"0": dt.nn.ColwiseParallel(), "2": dt.nn.RowwiseParallel()})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    session = current_session()
+    x = distribute(torch.randn(5, 6), mesh1d, [R])
+    sizes = []
+    for step in range(40):
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sizes.append(len(session.plan_names))
+    assert sizes[-1] == sizes[19], sizes
+
+
 @pytest.mark.parametrize("n", [3, 40])
 def test_foreach_norm_is_a_fixed_handful(mesh, n):
     (pa,), (a,) = _mixed_lists(mesh, n, 1)
