@@ -33,9 +33,9 @@ KERNEL_OPS = {"dtorch::embedding": "embedding", "dtorch::embedding_backward": "e
               "dtorch::mean": "mean.dim"}
 # the same work under another name on the worker:
 # - squeeze.dims: dtorch squeezes the dims that are 1 globally (a local shard may have others)
-# - a zero tensor that an autograd formula makes with ``at::zeros`` (the gradient of an unused
-#   chunk) is a factory call no tensor subclass sees: the controller makes it and sends it (Put)
-EQUIVALENT = {"squeeze.dims": "squeeze.dim", "<Put>": "zeros"}
+# - dtorch.zeros: the factory kernel making zeros (torch's ``at::zeros`` for the gradient of an
+#   unused chunk is made on the workers, not sent)
+EQUIVALENT = {"squeeze.dims": "squeeze.dim", "dtorch.zeros": "zeros"}
 
 
 def _name(op_or_target: str) -> str:
@@ -68,7 +68,8 @@ def _worker_ops(rec, session) -> collections.Counter:
     ops = collections.Counter()
     for ins in rec.instructions:
         if type(ins) is Call:
-            ops[_name(session.plan_names[ins.plan_id].target)] += 1
+            define = session.plan_names[ins.plan_id]
+            ops[_name(define.op_name if define.target == "dtorch::factory" else define.target)] += 1
         elif type(ins) is not DefinePlan:
             ops[_name(f"<{type(ins).__name__}>")] += 1
     return ops
@@ -106,3 +107,26 @@ def test_workers_run_the_ops_torch_runs(mesh1d, family):
             f"{family} step {step}: torch ran {dict(missing)} that the workers did not; the workers ran "
             f"{dict(extra)} that torch did not")
     assert dt.fallback_counts() == {}
+
+
+def test_plain_zeros_are_made_on_the_workers(mesh1d):
+    # the gradient of an unused chunk is an at::zeros tensor on the controller: it becomes a
+    # factory call (no data sent, so a captured step can still be a device graph); other plain
+    # tensors are sent as before
+    x = dt.distribute_tensor(torch.randn(4, 6), mesh1d, [dt.Shard(0)])
+    session = current_session()
+    for plain, sent in ((torch.zeros(4, 6), 0), (torch.ones(4, 6), 1)):
+        with session.recording() as rec:
+            y = x + plain
+        puts = sum(type(i).__name__ == "Put" for i in rec.instructions)
+        assert puts == sent
+        assert_close(y.full_tensor(), x.full_tensor() + plain)
+    w = torch.randn(4, 12, requires_grad=True)
+    dw = dt.distribute_tensor(w.detach(), mesh1d, [dt.Replicate()]).requires_grad_()
+    with session.recording() as rec:
+        a, _ = dw.chunk(2, dim=1)
+        a.sum().backward()
+    assert not any(type(i).__name__ == "Put" for i in rec.instructions)
+    a, _ = w.chunk(2, dim=1)
+    a.sum().backward()
+    assert_close(dw.grad.full_tensor(), w.grad)

@@ -15,7 +15,7 @@ from dtorch_core.controller.session import current_session
 from dtorch_core.ir.instructions import Call, Collective, DefinePlan
 from dtorch_core.redistribute import plan_redistribute
 
-from .helpers import WORLD_SIZE, assert_close, distribute, on_mesh
+from .helpers import DEVICE, WORLD_SIZE, assert_close, distribute, on_mesh
 
 R, P = dt.Replicate(), dt.Partial("sum")
 S0, S1 = dt.Shard(0), dt.Shard(1)
@@ -322,7 +322,7 @@ def test_foreach_norm_is_a_fixed_handful(mesh, n):
 def test_foreach_norm_uneven_and_empty_shards(mesh, ord_, dtype):
     gen = torch.Generator().manual_seed(5)
     # fewer rows or columns than workers: some shards are uneven, some empty; a global empty one
-    shapes = [(1, 3), (WORLD_SIZE - 1, 2), (WORLD_SIZE + 1,), (2, WORLD_SIZE + 2), (0, 3), ()]
+    shapes = [(1, 3), (WORLD_SIZE + 1, 2) if WORLD_SIZE < 2 else (WORLD_SIZE - 1, 2), (WORLD_SIZE + 1,), (2, WORLD_SIZE + 2), (0, 3), ()]
     specs = [(S0, R), (S0, S1), (S0, R), (S1, S0), (S0, R), (R, R)]
     plain = [torch.randn(s, generator=gen) for s in shapes]
     plain[1][0, 0] = 0.0  # a zero counts for nothing in the 0-norm
@@ -368,8 +368,8 @@ def test_clip_grad_norm_foreach_instructions_do_not_grow(mesh, n):
 # what the rule does not serve runs element by element, as before
 # ---------------------------------------------------------------------------------------------
 def test_foreach_lists_on_different_meshes(runner):
-    m1 = dt.init_device_mesh("cpu", (WORLD_SIZE,), mesh_dim_names=("x",))
-    m2 = dt.init_device_mesh("cpu", (1, WORLD_SIZE), mesh_dim_names=("a", "b"))
+    m1 = dt.init_device_mesh(DEVICE, (WORLD_SIZE,), mesh_dim_names=("x",))
+    m2 = dt.init_device_mesh(DEVICE, (1, WORLD_SIZE), mesh_dim_names=("a", "b"))
     gen = torch.Generator().manual_seed(3)
     pa = [torch.randn(6, 3, generator=gen), torch.randn(5, generator=gen)]
     pb = [torch.randn(6, 3, generator=gen), torch.randn(5, generator=gen)]

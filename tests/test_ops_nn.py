@@ -123,8 +123,9 @@ def test_fused_rms_norm_runs_on_the_shards(mesh, spec, normalized, with_weight):
     # where torch has a kernel of the op for the mesh's device (CUDA), the op reaches dtorch whole;
     # elsewhere torch itself decomposes it before any tensor subclass sees it
     if torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm", mesh.device_type.upper()):
-        assert {"aten::_fused_rms_norm", "aten::_fused_rms_norm_backward"} <= targets
-        assert not {"aten::rsqrt", "aten::pow.Tensor_Scalar"} & targets
+        # (its backward is whatever torch's autograd formula runs: tests/test_model_ops.py
+        # checks that the workers run the same ops as torch for a whole Llama step)
+        assert "aten::_fused_rms_norm" in targets
     if spec[0] == S0:
         assert out[0].placements == tuple(on_mesh(mesh, spec))
 

@@ -14,7 +14,7 @@ from torch.optim import lr_scheduler
 import dtorch_core as dt
 from dtorch_core.controller.session import current_session
 
-from .helpers import assert_close
+from .helpers import DEVICE, WORLD_SIZE, assert_close
 from .test_modules import distribute_module
 
 STEPS = 20
@@ -156,8 +156,8 @@ def test_plain_tensor_batches_are_replicated_and_sent_each_call(mesh1d):
 
 
 def test_plain_tensor_with_no_mesh_to_choose_is_refused(runner):
-    dt.init_device_mesh("cpu", (4,))
-    dt.init_device_mesh("cpu", (2, 2))
+    dt.init_device_mesh(DEVICE, (WORLD_SIZE,))
+    dt.init_device_mesh(DEVICE, (1, WORLD_SIZE))
     step = dt.compile(lambda x: x * 2)
     step(torch.ones(3))  # the warm-up runs on the controller
     with pytest.raises(dt.CaptureError, match="several meshes.*Distribute it first"):

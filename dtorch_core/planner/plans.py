@@ -55,12 +55,16 @@ class DirectPlan:
                 session.view_writes += 1  # a base it views may have copies too
         tids = []
         temps = []
+        keep = []
         for i, (x, steps) in enumerate(zip(inputs, self.moves)):
             if type(x) is DTensor:
                 tid = x._tid
             else:
-                tid = session.put_replicated(x, self.mesh)
-                temps.append(tid)
+                tid, owner = plain_input(session, x, self.mesh)
+                if owner is None:
+                    temps.append(tid)
+                else:
+                    keep.append(owner)  # frees the id when this call returns, after the Call
             if steps and steps[0].kind in _REDUCING and type(x) is DTensor and i not in self.writes \
                     and not getattr(x, "_view_state", 0):
                 tid = _moved_copy(session, x, tid, steps, self.mesh_id, self.op_name)
@@ -183,6 +187,34 @@ class FunctionPlan:
 
     def run(self, session, args, kwargs, inputs):
         return self.fn(*args, **kwargs)
+
+
+def plain_input(session, x, mesh: DeviceMesh) -> tuple:
+    """(id, owner) of a plain tensor meeting DTensors in an op, replicated on ``mesh``: the owner
+    is the DTensor holding the id, or None where the caller must release it.
+
+    A zero tensor is made on the workers instead of sent: autograd formulas make one with
+    ``at::zeros`` for the gradient of an unused output (a chunk nobody reads), which no tensor
+    subclass sees; sent as data it would cost a host copy per step and keep a captured step out
+    of device graphs (a graph cannot repeat data from the controller).
+    """
+    if x.numel() == 0 or x.is_complex() or x.requires_grad or bool(x.any()):
+        return session.put_replicated(x, mesh), None
+    key = ("plain zeros", mesh, tuple(x.shape), x.dtype)
+    plan = session.plans.get(key)
+    if plan is None:
+        from ..spec import TensorSpec, contiguous_stride
+        from ..placement import Replicate
+
+        spec = TensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(x.shape), contiguous_stride(x.shape), x.dtype)
+        region = tuple((0, n) for n in x.shape)
+        kwargs = {"kind": "zeros", "shape": spec.shape, "region": region, "dtype": x.dtype, "fill": None,
+                  "device": mesh.device_type}
+        plan = session.plans[key] = kernel_plan(
+            session, mesh, "dtorch::factory", {r: ((), kwargs) for r in mesh.ranks}, op_name="dtorch.zeros",
+            pure=True, out_specs=(spec,), out_views=(mesh,), rebuild=lambda outs: outs[0])
+    zeros = plan.run(session, (), {}, [])
+    return zeros._tid, zeros
 
 
 def kernel_plan(session, mesh: DeviceMesh, target: str, per_rank: dict, *, op_name: str, pure: bool,
