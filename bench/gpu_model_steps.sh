@@ -13,7 +13,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/plug plugins/dtorch_nccl > /tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 1; }
 export PYTHONPATH=/tmp/plug:/tmp/site:$PWD
 stamp "step times (process runner)"
-CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${TIME_LIMIT:-240} python3 bench/model_steps.py --runner process --json "$OUT/steps.json" "$@" 2>&1 | tee "$OUT/steps.log" | grep -v "^    "
+CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${TIME_LIMIT:-240} python3 bench/model_steps.py --runner process --issue-times --json "$OUT/steps.json" "$@" 2>&1 | tee "$OUT/steps.log" | grep -v "^    "
 stamp "kernel counts (thread runner)"
 CUDA_VISIBLE_DEVICES=0 timeout -k 10 ${TIME_LIMIT:-240} python3 bench/model_steps.py --runner thread --profile --top 12 --steps 3 --json "$OUT/kernels.json" "$@" > "$OUT/kernels.log" 2>&1
 cat "$OUT/kernels.log"

@@ -72,11 +72,13 @@ class Side:
         self.sync = sync
         self.step_fn = step
         self.losses: list = []
+        self.issued: list = []
 
     def step(self) -> float:
         batch = self.batches[len(self.losses) % len(self.batches)]
         t0 = time.perf_counter()
         loss = self.step_fn(self.model, self.opt, self.loss_fn, batch)
+        self.issued.append(time.perf_counter() - t0)  # dtorch: the controller's own time
         self.sync()
         self.losses.append(loss)
         return time.perf_counter() - t0
@@ -89,7 +91,7 @@ class Side:
         return out
 
 
-def profile_step(side, top: int):
+def profile_step(side):
     """(kernel launches, summed kernel time in ms, Counter of kernel names) for one step."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -137,9 +139,10 @@ def run_case(dt, args, family, size, mesh, dtype, device):
                 side.step()
             gc.collect()
             times = [side.step() for _ in range(args.steps)]
-            row = {"ms": 1000 * statistics.median(times)}
+            row = {"ms": 1000 * statistics.median(times),
+                   "issue_ms": 1000 * statistics.median(side.issued[-args.steps:])}
             if args.profile and device == "cuda":
-                row["kernels"], row["cuda_ms"], row["names"] = profile_step(side, args.top)
+                row["kernels"], row["cuda_ms"], row["names"] = profile_step(side)
             rows[side.name] = row
         except Exception as exc:  # noqa: BLE001 - a side that fails is reported, the others still run
             rows[side.name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
@@ -160,7 +163,7 @@ def run_case(dt, args, family, size, mesh, dtype, device):
     return rows
 
 
-def print_case(family, size, rows, top: int) -> None:
+def print_case(family, size, rows, args) -> None:
     base = rows["torch"]
     print(f"{family:6s} {size:6s}", end="")
     for name in ("torch", "eager", "replay"):
@@ -170,6 +173,8 @@ def print_case(family, size, rows, top: int) -> None:
             continue
         ratio = row["ms"] / base["ms"] if "ms" in base else float("nan")
         text = f" | {name} {row['ms']:8.2f} ms {ratio:5.2f}x"
+        if name != "torch" and args.issue_times:
+            text += f" (issued in {row['issue_ms']:.2f})"
         if "kernels" in row:
             text += f" k={row['kernels']} ({row['kernels'] / base['kernels']:.2f}x) gpu {row['cuda_ms']:.2f} ms"
         print(text, end="")
@@ -180,11 +185,11 @@ def print_case(family, size, rows, top: int) -> None:
             print(f"    {name}: {row['error']}")
         elif "loss_rel_diff" in row and row["loss_rel_diff"] > 2e-2:
             print(f"    {name}: losses differ from torch's by {row['loss_rel_diff']:.2e} (relative)")
-        if top and "names" in row and "names" in base:
+        if args.top and "names" in row and "names" in base:
             diff = [(k, row["names"][k], base["names"][k]) for k in set(row["names"]) | set(base["names"])
                     if row["names"][k] != base["names"][k]]
             diff.sort(key=lambda t: -abs(t[1] - t[2]))
-            for k, mine, theirs in diff[:top]:
+            for k, mine, theirs in diff[:args.top]:
                 print(f"    {name} kernel {mine:4d} vs torch {theirs:4d}  {k[:110]}")
 
 
@@ -203,6 +208,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=0, help="with --profile: kernels whose counts differ")
     parser.add_argument("--optim", default="torch", choices=("torch", "dtorch"),
                         help="the dtorch sides' optimizer: torch.optim.AdamW or dt.optim.AdamW")
+    parser.add_argument("--issue-times", action="store_true",
+                        help="also print how long the controller took to issue each dtorch step")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = args.device
@@ -221,7 +228,7 @@ def main() -> None:
     for family in args.families.split(","):
         for size in sizes:
             rows = run_case(dt, args, family, size, mesh, dtype, device)
-            print_case(family, size, rows, args.top)
+            print_case(family, size, rows, args)
             results[f"{family}/{size}"] = {k: {kk: vv for kk, vv in v.items() if kk != "names"}
                                            for k, v in rows.items()}
             sys.stdout.flush()
