@@ -1,0 +1,1 @@
+"""The model families dtorch_hf registers itself (one module per family)."""

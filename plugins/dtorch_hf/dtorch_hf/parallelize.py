@@ -1,0 +1,64 @@
+"""``dtorch_hf.parallelize``: a model's family plan applied over a mesh's named dims."""
+
+from __future__ import annotations
+
+import fnmatch
+
+import structlog
+import torch.nn as nn
+
+from dtorch_core.errors import PlacementError
+from dtorch_core.mesh import DeviceMesh
+from dtorch_core.nn.parallelize import replicate_rest
+from dtorch_core.nn.styles import ParallelStyle
+
+from .batch import split_batch_on_entry
+from .errors import UnsupportedMeshDimError
+from .lookup import family_for
+from .mesh_dims import read_mesh_dims
+from .styles import apply_style
+
+log = structlog.get_logger(__name__)
+
+SP_MODES = ("ulysses", "ring")
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, sp_mode: str = "ulysses", plan: dict | None = None) -> nn.Module:
+    """Parallelize ``model`` in place over ``mesh`` and return it.
+
+    Mesh dims are read by name: ``"tp"`` (the family's tensor-parallel plan, or ``plan``),
+    ``"dp"`` (the batch split where inputs enter the model), ``"sp"`` (sequence parallel, with
+    ``sp_mode`` "ulysses" or "ring") and ``"cfg"``, in any subset and order; a dim the model's
+    family cannot use raises ``UnsupportedMeshDimError``. ``plan`` (``{glob pattern: style}``
+    as ``dt.nn.parallelize_module`` takes) replaces the family's tp plan. Every parameter and
+    buffer not sharded is replicated on the whole mesh. The model is called as before; its
+    outputs hold dtorch DTensors (``.full_tensor()`` reads one on the controller).
+    """
+    if sp_mode not in SP_MODES:
+        raise UnsupportedMeshDimError(f"sp_mode={sp_mode!r}; it takes one of {SP_MODES}")
+    family = family_for(model)
+    dims = read_mesh_dims(mesh, family, type(model).__name__)
+    chosen = family.tp_plan(model) if plan is None else plan
+    if chosen and "tp" not in dims.index:
+        if plan is not None:
+            raise UnsupportedMeshDimError(
+                f"plan= shards over the mesh dim 'tp', and this mesh has dims {mesh.mesh_dim_names}; "
+                "add a 'tp' dim or leave plan out")
+        chosen = {}
+    named = dict(model.named_modules())
+    for pattern, style in chosen.items():
+        if not isinstance(style, ParallelStyle):
+            raise PlacementError(f"plan entry {pattern!r} is {style!r}, not a parallel style (dt.nn.ColwiseParallel, ...)")
+        hits = [name for name in named if name and fnmatch.fnmatchcase(name, pattern)]
+        if not hits:
+            raise PlacementError(f"plan pattern {pattern!r} matches no sub-module of {type(model).__name__}; "
+                                 f"names look like {[n for n in named if n][:5]}")
+        for name in hits:
+            apply_style(style, named[name], mesh, "tp")
+    replicate_rest(model, mesh)
+    if dims.size("dp") > 1:
+        hooked = split_batch_on_entry(model, mesh, dims.index["dp"], family.batch_modules, family.batch_kwargs)
+        log.debug("batch split over dp", modules=hooked)
+    log.debug("parallelized", model=type(model).__name__, family=family.name, mesh=repr(mesh),
+              plan_entries=len(chosen))
+    return model

@@ -1,0 +1,12 @@
+"""The hook implementations of dtorch_hf (its entry point ``hf``): the families it serves."""
+
+from __future__ import annotations
+
+from dtorch_core import hookimpl
+
+from .families.t5 import T5_FAMILY
+
+
+@hookimpl
+def dtorch_register_model_families(registry) -> None:
+    registry.add(T5_FAMILY.name, T5_FAMILY)
