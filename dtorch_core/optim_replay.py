@@ -6,14 +6,22 @@ corrections on the controller as Python numbers, and an ``lr_scheduler`` writes 
 (installed once at import, see :func:`install`) act while a capture records the step of an
 optimizer whose parameters are DTensors:
 
-- groups with a ``capturable`` setting (Adam, AdamW, ...) switch to ``capturable=True`` for good,
-  so torch itself computes the step count and corrections on the workers; each ``step`` state
-  becomes a replicated DTensor. These conversions are made outside the recording: they are state
-  that exists before the program (a replay must not reset the count).
-- for the duration of such a step, a float ``lr`` is replaced by a 0-d replicated DTensor
-  *mirror* (torch accepts a Tensor lr when capturable); the user and the scheduler keep seeing the
+- groups of ``Adam``, ``AdamW`` and ``SGD`` whose params are floating DTensors of one mesh (on a
+  device type torch has fused kernels for) switch to ``fused=True`` (and ``foreach=False``) for
+  good: the step is one worker call of ``_fused_adam(w)_`` / ``_fused_sgd_`` per group
+  (``ops/fused_optim.py``), step counts and a Tensor lr on the workers, as torch runs it under
+  CUDA graphs. Each ``step`` state becomes a float32 replicated DTensor, and a moment or
+  momentum buffer placed unlike its param (SGD's buffer cloned from a Partial gradient) is moved
+  to the param's placement once: the kernel updates every list in the param's placement.
+- other groups with a ``capturable`` setting (RMSprop, NAdam, ...) switch to ``capturable=True``
+  for good, so torch itself computes the step count and corrections on the workers; each
+  ``step`` state becomes a replicated DTensor.
+- these conversions are made outside the recording: they are state that exists before the
+  program (a replay must not reset the count).
+- for the duration of a fused or capturable step, a float ``lr`` is replaced by a 0-d replicated
+  DTensor *mirror* (both paths accept a Tensor lr); the user and the scheduler keep seeing the
   float. Before each replay the mirrors whose float changed are rewritten (:meth:`Guards.ready`).
-- every other float setting (and the lr of optimizers with no tensor-lr path, like SGD) is
+- every other float setting (and the lr of optimizers with neither path, like Adagrad) is
   snapshot at capture; a replay whose optimizer settings differ is captured again instead.
 """
 
@@ -29,7 +37,7 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from .api import distribute_tensor
-from .placement import Replicate
+from .placement import Partial, Replicate
 from .tensor import DTensor
 
 log = structlog.get_logger(__name__)
@@ -59,6 +67,7 @@ class _Tracked:
 
     optimizer: weakref.ref
     session: object
+    fused: set = attrs.field(factory=set)  # indices of groups switched to fused=True
     capturable: set = attrs.field(factory=set)  # indices of groups switched to capturable=True
     mirrors: dict = attrs.field(factory=dict)  # group index -> _Mirror
     floats: dict = attrs.field(factory=dict)  # during a step: group index -> the float lr to restore
@@ -87,20 +96,66 @@ def _dtensor_session(opt):
     return None
 
 
+# optimizers whose fused kernels have a sharding rule (dtorch_core/ops/fused_optim.py); AdamW is
+# an Adam in recent torch, listed for the versions where it is not
+_FUSED_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def _fused_devices() -> list:
+    supported = getattr(torch_optimizer, "_get_fused_kernels_supported_devices", None)
+    return supported() if supported is not None else ["cuda", "cpu"]
+
+
+def _can_fuse(opt, group, params, mesh) -> bool:
+    """torch's fused kernels take the group (what torch checks when ``fused=True`` is asked)."""
+    return ("fused" in group and isinstance(opt, _FUSED_CLASSES) and not group.get("differentiable")
+            and all(p.device_mesh == mesh and torch.is_floating_point(p) for p in params)
+            and params[0].device.type in _fused_devices())
+
+
+def _place_like(p: DTensor, state: dict) -> None:
+    """Give the state tensors shaped like ``p`` (moments, momentum buffers) its placement.
+
+    The fused kernel updates every list element in its param's placement; a buffer placed
+    otherwise (SGD's momentum buffer is a clone of a first gradient, Partial under data
+    parallelism) would be moved by each step and its handle rebound to the moved copy, which a
+    replay cannot do (the program reads the tensor it freed). Moving it once, here, outside the
+    recording, is state that exists before the program, like the step counts.
+    """
+    target = [Replicate() if isinstance(pl, Partial) else pl for pl in p.placements]
+    for key, t in state.items():
+        if type(t) is DTensor and t.shape == p.shape and t.device_mesh == p.device_mesh and list(t.placements) != target:
+            with torch.no_grad():
+                state[key] = t.redistribute(p.device_mesh, target)
+
+
 def _convert(opt, tracked: _Tracked) -> None:
-    """Switch capturable groups to device step counts and give them lr mirrors (not recorded)."""
+    """Switch groups to fused (else capturable) steps with device step counts and give them lr
+    mirrors (not recorded)."""
     for i, group in enumerate(opt.param_groups):
         params = group["params"]
-        if "capturable" not in group or not params or not all(type(p) is DTensor for p in params):
+        if not params or not all(type(p) is DTensor for p in params):
             continue
-        group["capturable"] = True
-        tracked.capturable.add(i)
+        mesh = params[0].device_mesh
+        if i in tracked.fused or _can_fuse(opt, group, params, mesh):
+            # torch refuses fused and foreach both True at construction, and SGD's step tests
+            # foreach first
+            group["fused"], group["foreach"] = True, False
+            tracked.fused.add(i)
+        elif "capturable" in group:
+            group["capturable"] = True
+            tracked.capturable.add(i)
+        else:
+            continue
+        fused = i in tracked.fused
         for p in params:
             state = opt.state.get(p)
             step = state.get("step") if state else None
             if isinstance(step, torch.Tensor) and type(step) is not DTensor:
-                state["step"] = distribute_tensor(step.detach(), p.device_mesh, [Replicate()] * p.device_mesh.ndim)
-        mesh = params[0].device_mesh
+                step = step.detach().to(torch.float32) if fused else step.detach()  # fused steps are float32
+                state["step"] = distribute_tensor(step, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+            if fused and state:
+                _place_like(p, state)
         if i not in tracked.mirrors and type(group["lr"]) is float and all(p.device_mesh == mesh for p in params):
             lr = torch.tensor(group["lr"], dtype=torch.float32)
             tracked.mirrors[i] = _Mirror(distribute_tensor(lr, mesh, [Replicate()] * mesh.ndim), group["lr"])

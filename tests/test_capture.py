@@ -48,6 +48,19 @@ OPTIMIZERS = {
 }
 
 
+def eager_sgd_like_replay(params):
+    """OPTIMIZERS["sgd"] as a compiled step runs it: from its first recorded call on, torch's
+    fused kernel, with the lr read from a float32 tensor (optim_replay)."""
+    opt = torch.optim.SGD(params, lr=torch.tensor(0.05).item(), momentum=0.9)
+
+    def to_fused(opt, args, kwargs):
+        for group in opt.param_groups:
+            group["fused"], group["foreach"] = True, False
+
+    opt.register_step_post_hook(to_fused)
+    return opt
+
+
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_mlp_replay_equals_eager_bitwise_and_torch(mesh, optimizer):
     torch.manual_seed(0)
@@ -61,7 +74,8 @@ def test_mlp_replay_equals_eager_bitwise_and_torch(mesh, optimizer):
 
     step = dt.compile(train_step)
     got = run(step, replayed, make(replayed.parameters()), data)
-    expected = run(train_step, eager, make(eager.parameters()), data)
+    eager_opt = eager_sgd_like_replay(eager.parameters()) if optimizer == "sgd" else make(eager.parameters())
+    expected = run(train_step, eager, eager_opt, data)
     assert step.replays == 4  # warm-up, two recordings, then replays
     assert all(torch.equal(g, e) for g, e in zip(got, expected)), (got, expected)
     assert_bitwise(eager.named_parameters(), replayed.parameters())
@@ -194,13 +208,13 @@ def test_optimizer_settings_are_guarded(mesh1d):
     ref = MLP()
     model = distribute_module(copy.deepcopy(ref), mesh1d, tp_plan_mlp(mesh1d))
     eager = distribute_module(copy.deepcopy(ref), mesh1d, tp_plan_mlp(mesh1d))
-    opt, eager_opt = OPTIMIZERS["sgd"](model.parameters()), OPTIMIZERS["sgd"](eager.parameters())
+    opt, eager_opt = OPTIMIZERS["sgd"](model.parameters()), eager_sgd_like_replay(eager.parameters())
     data = dist_batches([(torch.randn(10, 12), torch.randn(10, 5)) for _ in range(10)], mesh1d, [dt.Shard(0)])
     step = dt.compile(train_step)
     for i, (x, y) in enumerate(data):
-        if i == 6:  # a scheduler's new learning rate: the step is captured again
+        if i == 6:  # a new momentum (a setting frozen into the program): the step is captured again
             for o in (opt, eager_opt):
-                o.param_groups[0]["lr"] = 0.01
+                o.param_groups[0]["momentum"] = 0.5
         assert torch.equal(step(model, opt, x, y).full_tensor(), train_step(eager, eager_opt, x, y).full_tensor())
     assert step.captures == 2 and step.replays == 10 - 3 - 2
 

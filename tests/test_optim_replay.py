@@ -1,5 +1,6 @@
 """torch.optim optimizers and lr schedulers under dt.compile, unchanged: same losses as plain torch,
-and replays from the capture on (optim_replay)."""
+and replays from the capture on (optim_replay): Adam, AdamW and SGD step with torch's fused
+kernels, one worker call per param group."""
 
 from __future__ import annotations
 
@@ -95,29 +96,35 @@ def test_torch_optimizer_and_scheduler_replay_like_torch(mesh1d, optimizer, sche
     step = dt.compile(train_step)
     got, calls = loop(step, model, opt, sched, batches, (mesh1d, [dt.Shard(0)]))
     assert_like_torch(got, expected, model, ref)
-    replayed = [r for _, r in calls]
-    lrs = [lr for lr, _ in calls]
-    if optimizer in ("adam", "adamw"):
-        # warm-up, two recordings, then every call replays: the lr mirror follows the scheduler
-        assert replayed == [False] * 3 + [True] * (STEPS - 3)
-        assert step.captures == 1
-    else:
-        # SGD's lr is frozen into its program: a call replays when it has the lr of the two
-        # calls before it (a new lr records twice: capture and verification)
-        assert replayed == [i >= 3 and lrs[i] == lrs[i - 1] == lrs[i - 2] for i in range(STEPS)]
-        if scheduler != "cosine":  # a cosine schedule changes the lr on every step: nothing replays
-            assert step.replays > 0
+    # warm-up, two recordings, then every call replays: the lr mirror follows the scheduler (SGD's
+    # too: its fused kernel takes a Tensor lr)
+    assert [r for _, r in calls] == [False] * 3 + [True] * (STEPS - 3)
+    assert step.captures == 1
+    assert {g["fused"] for g in opt.param_groups} == {True}
     assert dt.fallback_counts() == {}
 
 
-def test_sgd_step_lr_recaptures_exactly_when_the_lr_changes(mesh1d):
-    ref, ref_opt, ref_sched, model, opt, sched, batches = setup(mesh1d, "sgd", "step")
+class WeightDecaySteps:
+    """Changes a frozen setting (weight_decay) every 5 steps, as StepLR changes the lr."""
+
+    def __init__(self, opt):
+        self.opt, self.n = opt, 0
+
+    def step(self):
+        self.n += 1
+        if self.n % 5 == 0:
+            for group in self.opt.param_groups:
+                group["weight_decay"] = 1e-3 * self.n
+
+
+def test_sgd_frozen_setting_recaptures_exactly_when_it_changes(mesh1d):
+    ref, ref_opt, _, model, opt, _, batches = setup(mesh1d, "sgd", "step")
+    ref_sched, sched = WeightDecaySteps(ref_opt), WeightDecaySteps(opt)
     expected, _ = loop(train_step, ref, ref_opt, ref_sched, batches)
     step = dt.compile(train_step)
     got, calls = loop(step, model, opt, sched, batches, (mesh1d, [dt.Shard(0)]))
     assert_like_torch(got, expected, model, ref)
-    changes = [i for i in range(1, STEPS) if calls[i][0] != calls[i - 1][0]]
-    assert changes == [5, 10, 15]
+    changes = [5, 10, 15]
     assert step.captures == 1 + len(changes)
     recorded = [i for i, (_, r) in enumerate(calls) if not r]
     assert recorded == [0, 1, 2] + [k for c in changes for k in (c, c + 1)]
@@ -136,7 +143,7 @@ def test_optimizer_in_a_closure_is_tracked(mesh1d):
         losses.append(step(*(dt.distribute_tensor(t, mesh1d, [dt.Shard(0)]) for t in (x, y))).full_tensor())
         sched.step()
     assert_like_torch(torch.stack(losses), expected, model, ref)
-    assert step.captures == 4 and step.replays == STEPS - 3 - 2 * 3
+    assert step.captures == 1 and step.replays == STEPS - 3
 
 
 def test_plain_tensor_batches_are_replicated_and_sent_each_call(mesh1d):
@@ -197,3 +204,95 @@ def test_eager_step_and_state_dict_after_compiled_steps(mesh1d):
     assert state["param_groups"][0]["lr"] == ref_opt.param_groups[0]["lr"]
     assert state["state"][0]["step"].full_tensor().item() == STEPS + 1
     assert_close(state["state"][0]["exp_avg"], ref_opt.state_dict()["state"][0]["exp_avg"], rtol=1e-4, atol=1e-6)
+
+
+def program_ops(step) -> list:
+    """The op of every worker call in the (one) captured program of ``step``."""
+    session = current_session()
+    (entry,) = step._captured.values()
+    return [session.plan_names[i.plan_id].op_name for i in entry.program.instructions if type(i).__name__ == "Call"]
+
+
+FUSED_OPS = {"adamw": "aten._fused_adamw_", "adam": "aten._fused_adam_", "sgd": "aten._fused_sgd_"}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_a_replayed_step_is_one_fused_call_per_param_group(mesh1d, optimizer):
+    torch.manual_seed(0)
+    model = distribute_module(MLP(), mesh1d, plan(mesh1d))
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    opt = OPTIMIZERS[optimizer]([{"params": weights}, {"params": biases, "weight_decay": 0.0}])
+    sched = SCHEDULERS["cosine"](opt)
+    x, y = (dt.distribute_tensor(torch.randn(10, n), mesh1d, [dt.Shard(0)]) for n in (6, 5))
+    step = dt.compile(train_step)
+    for _ in range(5):
+        step(model, opt, x, y).full_tensor()
+        sched.step()
+    assert step.replays == 2
+    ops = program_ops(step)
+    fused = [op for op in ops if op.startswith(FUSED_OPS[optimizer] + ".")]
+    assert fused == [FUSED_OPS[optimizer] + ".tensor_lr"] * 2, ops
+    # no per-parameter update: besides the fused calls only the step counts' one foreach add
+    # per group (Adam) and the forward and backward
+    update = [op for op in ops if any(k in op for k in ("lerp", "addcdiv", "addcmul", "sqrt", "_foreach_"))]
+    assert update == (["aten._foreach_add_.Scalar"] * 2 if optimizer != "sgd" else []), ops
+
+
+class Narrow(nn.Module):
+    def __init__(self, rows):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 18)
+        self.fc2 = nn.Linear(18, rows)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_params_with_fewer_rows_than_workers(mesh1d, optimizer):
+    rows = max(1, WORLD_SIZE - 1)  # Shard(0) leaves at least one worker an empty shard (WORLD_SIZE > 1)
+    torch.manual_seed(0)
+    ref = Narrow(rows)
+    s = [dt.Replicate()] * (mesh1d.ndim - 1) + [dt.Shard(0)]
+    model = distribute_module(copy.deepcopy(ref), mesh1d, {"fc2.weight": s, "fc2.bias": s, "fc1.weight": s})
+    ref_opt, opt = OPTIMIZERS[optimizer](ref.parameters()), OPTIMIZERS[optimizer](model.parameters())
+    ref_sched, sched = SCHEDULERS["cosine"](ref_opt), SCHEDULERS["cosine"](opt)
+    batches = [(torch.randn(10, 6), torch.randn(10, rows)) for _ in range(STEPS)]
+    expected, _ = loop(train_step, ref, ref_opt, ref_sched, batches)
+    step = dt.compile(train_step)
+    got, calls = loop(step, model, opt, sched, batches, (mesh1d, [dt.Shard(0)]))
+    assert_like_torch(got, expected, model, ref)
+    assert [r for _, r in calls] == [False] * 3 + [True] * (STEPS - 3)
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_data_parallel_partial_grads(mesh1d, optimizer):
+    # params replicated, the batch sharded: the gradients are Partial when the optimizer steps
+    torch.manual_seed(0)
+    ref = MLP()
+    model = distribute_module(copy.deepcopy(ref), mesh1d, {})
+    ref_opt, opt = OPTIMIZERS[optimizer](ref.parameters()), OPTIMIZERS[optimizer](model.parameters())
+    ref_sched, sched = SCHEDULERS["cosine"](ref_opt), SCHEDULERS["cosine"](opt)
+    batches = [(torch.randn(8, 6), torch.randn(8, 5)) for _ in range(STEPS)]
+    grad_placements = []
+
+    def step_fn(model, opt, x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        grad_placements.append({p.grad.placements for p in model.parameters()})
+        opt.step()
+        return loss.detach()
+
+    expected, _ = loop(train_step, ref, ref_opt, ref_sched, batches)
+    step = dt.compile(step_fn)
+    got, calls = loop(step, model, opt, sched, batches, (mesh1d, [dt.Shard(0)]))
+    assert_like_torch(got, expected, model, ref)
+    if WORLD_SIZE > 1:
+        assert any(isinstance(pl, dt.Partial) for seen in grad_placements for pls in seen for pl in pls)
+    assert [r for _, r in calls] == [False] * 3 + [True] * (STEPS - 3)
+    for p in model.parameters():  # the state keeps the params' placement
+        state = opt.state[p]
+        for t in (v for k, v in state.items() if k != "step"):
+            assert t.placements == p.placements

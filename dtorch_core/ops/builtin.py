@@ -8,6 +8,7 @@ from . import (
     foreach,
     foreach_norm,
     foreach_rule,
+    fused_optim,
     indexing,
     kernels,
     losses,
@@ -23,7 +24,8 @@ from . import (
 
 @hookimpl
 def dtorch_register_ops(registry) -> None:
-    for family in (pointwise, reductions, matmul, views, indexing, nn, losses, foreach, foreach_rule):
+    for family in (pointwise, reductions, matmul, views, indexing, nn, losses, foreach, foreach_rule,
+                   fused_optim):
         family.register(registry)
     composite.register(registry)  # last: only ops that got nothing above
 
