@@ -5,7 +5,7 @@ set -u
 OUT=${OUT:-/tmp/gpu_model_steps_out}
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONPATH=/tmp/plug:/tmp/site:$PWD NVIDIA_TF32_OVERRIDE=0
-TESTS="tests/test_model_ops.py tests/test_ops_nn.py tests/test_ops_foreach.py tests/test_optim_replay.py tests/test_losses.py"
+TESTS="tests/test_model_ops.py tests/test_ops_nn.py tests/test_ops_foreach.py tests/test_optim_replay.py tests/test_losses.py tests/test_capture.py"
 for cfg in "thread 4" "process 1"; do
   set -- $cfg
   CUDA_VISIBLE_DEVICES=0 DTORCH_TEST_DEVICE=cuda DTORCH_TEST_RUNNERS=$1 DTORCH_TEST_WORLD_SIZE=$2 \
