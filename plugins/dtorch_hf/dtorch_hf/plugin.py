@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dtorch_core import hookimpl
 
+from .families.flux import FLUX_FAMILY
 from .families.t5 import T5_FAMILY
 
 
 @hookimpl
 def dtorch_register_model_families(registry) -> None:
     registry.add(T5_FAMILY.name, T5_FAMILY)
+    registry.add(FLUX_FAMILY.name, FLUX_FAMILY)

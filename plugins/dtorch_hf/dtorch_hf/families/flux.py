@@ -1,0 +1,212 @@
+"""The Flux family: diffusers' ``FluxTransformer2DModel``, the class unmodified.
+
+Tensor parallel (``"tp"``) over heads and MLP features: in the double-stream blocks q/k/v and
+add_q/k/v_proj colwise, to_out.0 and to_add_out rowwise, each feed-forward's first Linear
+colwise and second rowwise; in the single-stream blocks q/k/v and proj_mlp colwise and proj_out
+rowwise. proj_out's input is ``cat([attention output, MLP output], dim=-1)`` of two
+tp-sharded tensors; DTensor semantics make that concatenation exact (dtorch lays the global
+concatenation out again before the rowwise matmul: a redistribution, not an approximation).
+norm_q/norm_k (RMSNorm over head_dim) run on head shards: head_dim is never sharded. RoPE and
+the adaLN modulation run on whatever shards their inputs have; the modulation Linears stay
+replicated.
+
+Sequence parallel (``"sp"``, Ulysses): the image and text hidden states enter the model sharded
+on the sequence (Shard(1) on "sp", uneven lengths exact). Attention runs through
+``DtorchFluxAttnProcessor`` (installed with diffusers' ``set_attn_processor``), which computes
+diffusers' FluxAttnProcessor: q/k/v are redistributed from sequence shards to head shards (an
+all-to-all), SDPA runs on whole sequences, and the output is redistributed back to sequence
+shards. On a tp x sp mesh the heads end up split over both dims.
+
+The family sees neither the mesh nor ``sp_mode`` at parallelize time (``ModelFamily`` has only
+``tp_plan(model)``), so the processor and the entry hook read the mesh from the DTensors they
+meet at call time: the "sp" dim is found by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dtorch_core as dt
+from dtorch_core.placement import Replicate, Shard
+
+from ..family import ModelFamily
+
+REFUSED = {
+    "cfg": "CFG parallel is not supported for Flux yet (it belongs to the pipelines)",
+    "dp": "data parallel is not supported for Flux yet",
+}
+SEQ, HEADS = 1, 2          # (batch, sequence, heads, head_dim), diffusers' attention layout
+_HOOKED = "_dtorch_flux_sp_hook"
+
+
+def _sp_dims(x) -> list[int]:
+    if not isinstance(x, dt.DTensor):
+        return []
+    names = x.device_mesh.mesh_dim_names or ()
+    return [i for i, n in enumerate(names) if n == "sp" and x.device_mesh.size(i) > 1]
+
+
+def _move(x, src: int, dst: int):
+    """``x`` with every "sp" mesh dim that shards tensor dim ``src`` sharding ``dst`` instead
+    (Ulysses' all-to-all when src/dst are the sequence and heads dims)."""
+    dims = [i for i in _sp_dims(x) if x.placements[i] == Shard(src)]
+    if not dims:
+        return x
+    wanted = list(x.placements)
+    for i in dims:
+        wanted[i] = Shard(dst)
+    return x.redistribute(x.device_mesh, wanted)
+
+
+def _heads(attn, x):
+    return x.unflatten(-1, (-1, attn.head_dim))
+
+
+class DtorchFluxAttnProcessor:
+    """diffusers' FluxAttnProcessor (non-fused projections, no IP adapter), with Ulysses: q, k
+    and v go from sequence shards to head shards before the joint attention, and its output
+    back to sequence shards. Without an "sp" dim it is FluxAttnProcessor itself."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        if getattr(attn, "fused_projections", False):
+            raise NotImplementedError("dtorch's Flux attention does not serve fused qkv projections; unfuse them")
+        query = attn.norm_q(_heads(attn, attn.to_q(hidden_states)))
+        key = attn.norm_k(_heads(attn, attn.to_k(hidden_states)))
+        value = _heads(attn, attn.to_v(hidden_states))
+        # which streams were sequence-sharded (restored after attention)
+        img_seq = bool(_sp_dims(query)) and Shard(SEQ) in query.placements
+        query, key, value = (_move(t, SEQ, HEADS) for t in (query, key, value))
+        text_len = None
+        if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
+            text_len = encoder_hidden_states.shape[1]
+            eq = attn.norm_added_q(_heads(attn, attn.add_q_proj(encoder_hidden_states)))
+            ek = attn.norm_added_k(_heads(attn, attn.add_k_proj(encoder_hidden_states)))
+            ev = _heads(attn, attn.add_v_proj(encoder_hidden_states))
+            txt_seq = bool(_sp_dims(eq)) and Shard(SEQ) in eq.placements
+            eq, ek, ev = (_move(t, SEQ, HEADS) for t in (eq, ek, ev))
+            query = torch.cat([eq, query], dim=1)
+            key = torch.cat([ek, key], dim=1)
+            value = torch.cat([ev, value], dim=1)
+        if image_rotary_emb is not None:
+            from diffusers.models.embeddings import apply_rotary_emb
+
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                             attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
+        out = out.transpose(1, 2)
+        dtype = query.dtype
+        if text_len is None:
+            if img_seq:
+                out = _move(out, HEADS, SEQ)
+            return out.flatten(2, 3).to(dtype)
+        # split the joint sequence while it is whole (head-sharded), then each stream back to
+        # its own sequence shards
+        enc, out = out.split_with_sizes([text_len, out.shape[1] - text_len], dim=1)
+        if img_seq:
+            out = _move(out, HEADS, SEQ)
+        if txt_seq:
+            enc = _move(enc, HEADS, SEQ)
+        out = attn.to_out[1](attn.to_out[0](out.flatten(2, 3).to(dtype).contiguous()))
+        enc = attn.to_add_out(enc.flatten(2, 3).to(dtype).contiguous())
+        return out, enc
+
+
+def _sequence_shard_inputs(model):
+    """A forward pre-hook laying ``hidden_states`` and ``encoder_hidden_states`` out as
+    Shard(1) on the mesh's "sp" dim (read from the model's DTensor parameters at call time)."""
+
+    def shard(value, mesh, dim):
+        if not isinstance(value, torch.Tensor) or isinstance(value, dt.DTensor) or value.ndim != 3:
+            return value
+        placements = [Replicate()] * mesh.ndim
+        placements[dim] = Shard(SEQ)
+        return dt.distribute_tensor(value, mesh, placements)
+
+    def hook(module, args, kwargs):
+        weight = module.x_embedder.weight
+        if not isinstance(weight, dt.DTensor):
+            return args, kwargs
+        mesh = weight.device_mesh
+        names = mesh.mesh_dim_names or ()
+        if "sp" not in names or mesh.size(names.index("sp")) == 1:
+            return args, kwargs
+        dim = names.index("sp")
+        if args:
+            args = (shard(args[0], mesh, dim),) + tuple(args[1:])
+        if "hidden_states" in kwargs:
+            kwargs["hidden_states"] = shard(kwargs["hidden_states"], mesh, dim)
+        if "encoder_hidden_states" in kwargs:
+            kwargs["encoder_hidden_states"] = shard(kwargs["encoder_hidden_states"], mesh, dim)
+        elif len(args) > 1:
+            args = (args[0], shard(args[1], mesh, dim)) + tuple(args[2:])
+        return args, kwargs
+
+    return hook
+
+
+def _reshard_joint_sequence(module, args, kwargs):
+    # a single-stream block concatenates the text and image streams along the sequence, and
+    # dtorch_core's cat gathers a dim sharded in both inputs: the joint sequence is sharded
+    # again (a local slice of the gathered tensor) before the block's norm, so its MLP and
+    # attention run on sequence shards (and Ulysses) again
+    x = args[0] if args else kwargs.get("hidden_states")
+    dims = [i for i in _sp_dims(x) if x.placements[i] == Replicate()]
+    if not dims:
+        return args, kwargs
+    wanted = list(x.placements)
+    for i in dims:
+        wanted[i] = Shard(SEQ)
+    x = x.redistribute(x.device_mesh, wanted)
+    if args:
+        return (x,) + tuple(args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": x}
+
+
+def prepare(model: nn.Module) -> None:
+    """Install dtorch's attention processor and the sequence-parallel hooks (once)."""
+    if getattr(model, _HOOKED, False):
+        return
+    model.set_attn_processor(DtorchFluxAttnProcessor())
+    model.register_forward_pre_hook(_sequence_shard_inputs(model), with_kwargs=True)
+    for block in model.single_transformer_blocks:
+        block.norm.register_forward_pre_hook(_reshard_joint_sequence, with_kwargs=True)
+    setattr(model, _HOOKED, True)
+
+
+def flux_tp_plan(model: nn.Module) -> dict:
+    """The tp plan of a FluxTransformer2DModel. (It also installs the Ulysses attention
+    processor and the "sp" entry hook: the family's only call at parallelize time.)"""
+    prepare(model)
+    colwise, rowwise = dt.nn.ColwiseParallel, dt.nn.RowwiseParallel
+    plan = {}
+    if len(model.transformer_blocks):
+        attn = "transformer_blocks.*.attn"
+        for proj in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+            plan[f"{attn}.{proj}"] = colwise()
+        plan[f"{attn}.to_out.0"] = rowwise()
+        plan[f"{attn}.to_add_out"] = rowwise()
+        for ff in ("ff", "ff_context"):
+            plan[f"transformer_blocks.*.{ff}.net.0.proj"] = colwise()
+            plan[f"transformer_blocks.*.{ff}.net.2"] = rowwise()
+    if len(model.single_transformer_blocks):
+        for proj in ("to_q", "to_k", "to_v"):
+            plan[f"single_transformer_blocks.*.attn.{proj}"] = colwise()
+        plan["single_transformer_blocks.*.proj_mlp"] = colwise()
+        plan["single_transformer_blocks.*.proj_out"] = rowwise()
+    return plan
+
+
+FLUX_FAMILY = ModelFamily(
+    name="flux",
+    model_classes=("FluxTransformer2DModel",),
+    dims=frozenset({"tp", "sp"}),
+    tp_plan=flux_tp_plan,
+    refused=REFUSED,
+)

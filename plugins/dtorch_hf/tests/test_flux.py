@@ -1,0 +1,96 @@
+"""Flux (diffusers' FluxTransformer2DModel, unmodified) on a mesh against the same model on the
+controller: tp=4, sp=4 (Ulysses) and tp=2 x sp=2, uneven sequence lengths, both runners."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtorch_core as dt
+import dtorch_hf
+
+diffusers = pytest.importorskip("diffusers")
+from diffusers import FluxTransformer2DModel  # noqa: E402
+from diffusers.utils import logging as diffusers_logging  # noqa: E402
+
+from dtorch_hf.families import flux as flux_family  # noqa: E402
+from hf_testing import rel_err  # noqa: E402
+
+# 1 double-stream + 1 single-stream block, 4 heads of 16, RoPE axes 4+6+6 = head_dim
+CONFIG = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+              num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
+MESHES = {"tp4": ((4,), ("tp",)), "sp4": ((4,), ("sp",)), "tp2xsp2": ((2, 2), ("tp", "sp"))}
+# (latent patches h x w, text tokens, batch): 16 image + 5 text tokens (text 2/1/1/1 on sp 4,
+# the joint 21 uneven), and 15 image + 7 text (both streams uneven), batch 1 and 2
+CASES = {"16img+5txt": (4, 4, 5, 1), "15img+7txt-b2": (3, 5, 7, 2)}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    diffusers_logging.set_verbosity_error()       # "accelerate not found" on every load
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("flux")
+    FluxTransformer2DModel(**CONFIG).save_pretrained(path)
+    return path
+
+
+def _inputs(h, w, txt, batch):
+    g = torch.Generator().manual_seed(1)
+    img_ids = torch.zeros(h, w, 3)
+    img_ids[..., 1] = torch.arange(h)[:, None]
+    img_ids[..., 2] = torch.arange(w)[None, :]
+    return dict(hidden_states=torch.randn(batch, h * w, 16, generator=g),
+                encoder_hidden_states=torch.randn(batch, txt, 32, generator=g),
+                pooled_projections=torch.randn(batch, 16, generator=g),
+                timestep=torch.tensor([0.3, 0.7])[:batch], img_ids=img_ids.reshape(-1, 3),
+                txt_ids=torch.zeros(txt, 3))
+
+
+def _mesh(name):
+    shape, names = MESHES[name]
+    return dt.init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+def test_forward_matches(session, saved, monkeypatch, mesh_name, case):
+    ref = FluxTransformer2DModel.from_pretrained(saved).eval()
+    model = FluxTransformer2DModel.from_pretrained(saved).eval()
+    assert dtorch_hf.parallelize(model, _mesh(mesh_name)) is model
+    q = model.transformer_blocks[0].attn.to_q.weight
+    assert isinstance(q, dt.DTensor)
+    assert (dt.Shard(0) in q.placements) == ("tp" in mesh_name)
+    moves = []
+    real_move = flux_family._move
+
+    def spy(x, src, dst):
+        out = real_move(x, src, dst)
+        if out is not x:
+            moves.append((src, dst, tuple(x.shape)))
+        return out
+
+    monkeypatch.setattr(flux_family, "_move", spy)
+    x = _inputs(*CASES[case])
+    with torch.no_grad():
+        got = model(**x)
+        want = ref(**x)
+    assert type(got) is type(want)
+    assert isinstance(got.sample, dt.DTensor)
+    assert rel_err(got.sample, want.sample) <= 1e-4
+    if "sp" in mesh_name and CASES[case][3] == 1:
+        # Ulysses ran: sequence shards -> head shards (q, k, v of both streams) and back.
+        # At batch > 1 dtorch_core gathers a sequence-sharded (batch, seq, features) input where
+        # a Linear flattens (batch, seq), so attention meets whole sequences (exact, not parallel)
+        assert (1, 2, tuple(x["hidden_states"].shape[:2]) + (4, 16)) in moves
+        assert any(m[:2] == (2, 1) for m in moves)
+    elif "sp" not in mesh_name:
+        assert not moves
+    assert not dt.fallback_counts(), dt.fallback_counts()
+
+
+@pytest.mark.parametrize("dim", ["cfg", "dp"])
+def test_refused_dims(session, saved, dim):
+    model = FluxTransformer2DModel.from_pretrained(saved)
+    mesh = dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("sp", dim))
+    with pytest.raises(dtorch_hf.UnsupportedMeshDimError, match="not supported for Flux yet"):
+        dtorch_hf.parallelize(model, mesh)
