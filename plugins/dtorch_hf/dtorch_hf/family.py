@@ -25,7 +25,8 @@ class ModelFamily:
     ``refused`` maps a dim name it cannot use (yet) to the reason shown to the user;
     ``tp_plan(model)`` gives ``{glob pattern: parallel style}`` as ``dt.nn.parallelize_module``
     takes; ``batch_modules`` are glob patterns of the sub-modules whose ``batch_kwargs`` (plain
-    tensors, batch first) are split over ``"dp"`` when they are called.
+    tensors, batch first) are split over ``"dp"`` when they are called; ``sp_modes`` are the
+    ``sp_mode`` values it serves on an ``"sp"`` dim.
     """
 
     name: str
@@ -35,6 +36,7 @@ class ModelFamily:
     refused: dict[str, str] = attrs.field(factory=dict)
     batch_modules: tuple[str, ...] = ("",)
     batch_kwargs: tuple[str, ...] = ("input_ids", "inputs_embeds")
+    sp_modes: tuple[str, ...] = ()
 
     def serves(self, model: nn.Module) -> bool:
         names = {cls.__name__ for cls in type(model).__mro__}

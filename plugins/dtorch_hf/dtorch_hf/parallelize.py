@@ -38,6 +38,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sp_mode: str = "ulysses",
         raise UnsupportedMeshDimError(f"sp_mode={sp_mode!r}; it takes one of {SP_MODES}")
     family = family_for(model)
     dims = read_mesh_dims(mesh, family, type(model).__name__)
+    if "sp" in dims.index and sp_mode not in family.sp_modes:
+        raise UnsupportedMeshDimError(
+            f"sp_mode={sp_mode!r} is not supported for {type(model).__name__} yet (family {family.name!r} "
+            f"serves {list(family.sp_modes)}); pass sp_mode={family.sp_modes[0]!r}" if family.sp_modes else
+            f"{type(model).__name__} has no sequence-parallel mode")
     chosen = family.tp_plan(model) if plan is None else plan
     if chosen and "tp" not in dims.index:
         if plan is not None:

@@ -94,3 +94,10 @@ def test_refused_dims(session, saved, dim):
     mesh = dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("sp", dim))
     with pytest.raises(dtorch_hf.UnsupportedMeshDimError, match="not supported for Flux yet"):
         dtorch_hf.parallelize(model, mesh)
+
+
+def test_ring_is_refused_until_it_exists(session, saved):
+    model = FluxTransformer2DModel.from_pretrained(saved)
+    mesh = dt.init_device_mesh("cpu", (4,), mesh_dim_names=("sp",))
+    with pytest.raises(dtorch_hf.UnsupportedMeshDimError, match="sp_mode='ring' is not supported"):
+        dtorch_hf.parallelize(model, mesh, sp_mode="ring")

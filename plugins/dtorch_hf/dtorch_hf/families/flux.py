@@ -209,4 +209,5 @@ FLUX_FAMILY = ModelFamily(
     dims=frozenset({"tp", "sp"}),
     tp_plan=flux_tp_plan,
     refused=REFUSED,
+    sp_modes=("ulysses",),
 )
