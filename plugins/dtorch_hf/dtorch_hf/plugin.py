@@ -5,6 +5,7 @@ from __future__ import annotations
 from dtorch_core import hookimpl
 
 from .families.flux import FLUX_FAMILY
+from .families.sd3 import SD3_FAMILY
 from .families.t5 import T5_FAMILY
 
 
@@ -12,3 +13,4 @@ from .families.t5 import T5_FAMILY
 def dtorch_register_model_families(registry) -> None:
     registry.add(T5_FAMILY.name, T5_FAMILY)
     registry.add(FLUX_FAMILY.name, FLUX_FAMILY)
+    registry.add(SD3_FAMILY.name, SD3_FAMILY)

@@ -1,0 +1,187 @@
+"""The SD3 family: diffusers' ``SD3Transformer2DModel`` (MMDiT), the class unmodified.
+
+Tensor parallel (``"tp"``) over heads and MLP features, in every ``JointTransformerBlock``:
+``attn.to_q/k/v`` and ``attn.add_q/k/v_proj`` colwise, ``attn.to_out.0`` and ``attn.to_add_out``
+rowwise, ``ff``/``ff_context`` ``net.0.proj`` colwise and ``net.2`` rowwise; SD3.5's second
+(image-only) attention ``attn2`` likewise. The last block is ``context_pre_only`` (no
+``to_add_out``, no ``ff_context``): the plan is built per block from the modules it has.
+q/k RMSNorms (``qk_norm``) run on head shards over head_dim, which is never sharded. The adaLN
+modulation Linears, ``pos_embed``, ``time_text_embed``, ``context_embedder``, ``norm_out`` and
+``proj_out`` stay replicated.
+
+Sequence parallel (``"sp"``, Ulysses): the model takes latents as (batch, C, H, W), so the
+sequence is sharded where tokens first exist: forward hooks on ``pos_embed`` and
+``context_embedder`` lay their outputs out as Shard(1) on "sp" (a local slice of replicated
+values). Attention runs through ``DtorchSD3AttnProcessor`` (installed with diffusers'
+``set_attn_processor``), which computes diffusers' JointAttnProcessor2_0 with Flux's Ulysses
+moves: q/k/v of each stream go from sequence shards to head shards (an all-to-all), SDPA runs
+on the whole joint image+text sequence, and each stream's output goes back to sequence shards.
+``proj_out``'s output is gathered on "sp" (a forward hook) before the unpatchify reshape.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dtorch_core as dt
+from dtorch_core.placement import Replicate, Shard
+
+from ..family import ModelFamily
+from .flux import HEADS, SEQ, _move, _sp_dims
+
+REFUSED = {
+    "cfg": "CFG parallel is not supported for SD3 yet (it belongs to the pipelines)",
+    "dp": "data parallel is not supported for SD3 yet",
+}
+_HOOKED = "_dtorch_sd3_sp_hook"
+
+
+def _heads(attn, x):
+    # diffusers' legacy Attention has no head_dim attribute; DTensor shapes are global
+    return x.unflatten(-1, (attn.heads, -1))
+
+
+def _norm(norm, x):
+    return x if norm is None else norm(x)
+
+
+class DtorchSD3AttnProcessor:
+    """diffusers' JointAttnProcessor2_0 (non-fused projections, no IP adapter, no mask), with
+    Ulysses: q, k and v go from sequence shards to head shards before the joint attention, and
+    each stream's output back to sequence shards. Without an "sp" dim it is JointAttnProcessor2_0
+    itself (computed in the (batch, seq, heads, head_dim) layout)."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, *args, **kwargs):
+        if getattr(attn, "fused_projections", False):
+            raise NotImplementedError("dtorch's SD3 attention does not serve fused qkv projections; unfuse them")
+        if attention_mask is not None:
+            raise NotImplementedError("dtorch's SD3 attention does not take an attention_mask "
+                                      "(JointAttnProcessor2_0 ignores it too)")
+        query = _norm(attn.norm_q, _heads(attn, attn.to_q(hidden_states)))
+        key = _norm(attn.norm_k, _heads(attn, attn.to_k(hidden_states)))
+        value = _heads(attn, attn.to_v(hidden_states))
+        img_seq = bool(_sp_dims(query)) and Shard(SEQ) in query.placements
+        query, key, value = (_move(t, SEQ, HEADS) for t in (query, key, value))
+        img_len = query.shape[1]
+        txt_seq = False
+        if encoder_hidden_states is not None:
+            eq = _norm(attn.norm_added_q, _heads(attn, attn.add_q_proj(encoder_hidden_states)))
+            ek = _norm(attn.norm_added_k, _heads(attn, attn.add_k_proj(encoder_hidden_states)))
+            ev = _heads(attn, attn.add_v_proj(encoder_hidden_states))
+            txt_seq = bool(_sp_dims(eq)) and Shard(SEQ) in eq.placements
+            eq, ek, ev = (_move(t, SEQ, HEADS) for t in (eq, ek, ev))
+            # image first, then text (JointAttnProcessor2_0's order; Flux's is the reverse)
+            query = torch.cat([query, eq], dim=1)
+            key = torch.cat([key, ek], dim=1)
+            value = torch.cat([value, ev], dim=1)
+        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                             dropout_p=0.0, is_causal=False)
+        out = out.transpose(1, 2)
+        dtype = query.dtype
+        enc = None
+        if encoder_hidden_states is not None:
+            # split the joint sequence while it is whole (head-sharded)
+            out, enc = out.split_with_sizes([img_len, out.shape[1] - img_len], dim=1)
+            if txt_seq:
+                enc = _move(enc, HEADS, SEQ)
+            enc = enc.flatten(2, 3).to(dtype).contiguous()
+            if not attn.context_pre_only:
+                enc = attn.to_add_out(enc)
+        if img_seq:
+            out = _move(out, HEADS, SEQ)
+        out = attn.to_out[1](attn.to_out[0](out.flatten(2, 3).to(dtype).contiguous()))
+        return out if enc is None else (out, enc)
+
+
+def _sp_dim_of(model):
+    weight = model.proj_out.weight
+    if not isinstance(weight, dt.DTensor):
+        return None, None
+    mesh = weight.device_mesh
+    names = mesh.mesh_dim_names or ()
+    if "sp" not in names or mesh.size(names.index("sp")) == 1:
+        return None, None
+    return mesh, names.index("sp")
+
+
+def _shard_tokens(model):
+    """A forward hook laying a (batch, tokens, features) output out as Shard(1) on "sp"."""
+
+    def hook(module, args, output):
+        mesh, dim = _sp_dim_of(model)
+        if mesh is None or not isinstance(output, torch.Tensor) or output.ndim != 3:
+            return output
+        placements = [Replicate()] * mesh.ndim
+        placements[dim] = Shard(SEQ)
+        if isinstance(output, dt.DTensor):
+            if output.placements[dim] == Replicate():
+                wanted = list(output.placements)
+                wanted[dim] = Shard(SEQ)
+                return output.redistribute(mesh, wanted)
+            return output
+        return dt.distribute_tensor(output, mesh, placements)
+
+    return hook
+
+
+def _gather_tokens(module, args, output):
+    # the unpatchify reshape splits the token dim into (h, w): gather the sequence first
+    dims = [i for i in _sp_dims(output) if output.placements[i] == Shard(SEQ)]
+    if not dims:
+        return output
+    wanted = list(output.placements)
+    for i in dims:
+        wanted[i] = Replicate()
+    return output.redistribute(output.device_mesh, wanted)
+
+
+def prepare(model: nn.Module) -> None:
+    """Install dtorch's attention processor and the sequence-parallel hooks (once)."""
+    if getattr(model, _HOOKED, False):
+        return
+    model.set_attn_processor(DtorchSD3AttnProcessor())
+    model.pos_embed.register_forward_hook(_shard_tokens(model))
+    model.context_embedder.register_forward_hook(_shard_tokens(model))
+    model.proj_out.register_forward_hook(_gather_tokens)
+    setattr(model, _HOOKED, True)
+
+
+def sd3_tp_plan(model: nn.Module) -> dict:
+    """The tp plan of an SD3Transformer2DModel, per block (the context_pre_only last block has
+    no to_add_out/ff_context). (It also installs the Ulysses attention processor and the "sp"
+    hooks: the family's only call at parallelize time.)"""
+    prepare(model)
+    colwise, rowwise = dt.nn.ColwiseParallel, dt.nn.RowwiseParallel
+    plan = {}
+    for i, block in enumerate(model.transformer_blocks):
+        b = f"transformer_blocks.{i}"
+        for name in ("attn", "attn2"):
+            attn = getattr(block, name, None)
+            if attn is None:
+                continue
+            for proj in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+                if getattr(attn, proj, None) is not None:
+                    plan[f"{b}.{name}.{proj}"] = colwise()
+            plan[f"{b}.{name}.to_out.0"] = rowwise()
+            if getattr(attn, "to_add_out", None) is not None:
+                plan[f"{b}.{name}.to_add_out"] = rowwise()
+        for ff in ("ff", "ff_context"):
+            if getattr(block, ff, None) is not None:
+                plan[f"{b}.{ff}.net.0.proj"] = colwise()
+                plan[f"{b}.{ff}.net.2"] = rowwise()
+    return plan
+
+
+SD3_FAMILY = ModelFamily(
+    name="sd3",
+    model_classes=("SD3Transformer2DModel",),
+    dims=frozenset({"tp", "sp"}),
+    tp_plan=sd3_tp_plan,
+    refused=REFUSED,
+    sp_modes=("ulysses",),
+)
