@@ -1,12 +1,15 @@
 """Helpers of the dtorch_hf tests: tiny random T5 configurations (built here, nothing is
-downloaded), the test meshes, and the relative error."""
+downloaded), the test meshes, the relative error, and for the diffusion transformers a record
+of the sequence <-> head moves and the refusal checks."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import T5Config
 
 import dtorch_core as dt
+import dtorch_hf
 
 # "even": 4 heads and d_ff 64 divide tp 2 and 4, gated-GELU (wi_0/wi_1).
 # "uneven": 5 heads (tp 2: 3+2 heads; tp 4: 2+2+1+0, torch.chunk's layout) and d_ff 37, relu (wi).
@@ -39,3 +42,39 @@ def make_mesh(name: str):
 def rel_err(got, want) -> float:
     got = got.full_tensor() if isinstance(got, dt.DTensor) else got
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
+
+
+# the diffusion transformers' meshes: tp over all four devices, Ulysses sp, and both
+TRANSFORMER_MESHES = {"tp4": ((4,), ("tp",)), "sp4": ((4,), ("sp",)), "tp2xsp2": ((2, 2), ("tp", "sp"))}
+
+
+def make_transformer_mesh(name: str):
+    shape, names = TRANSFORMER_MESHES[name]
+    return dt.init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def record_moves(monkeypatch, family_module) -> list:
+    """(source dim, destination dim, input shape) of every sequence <-> head move the family's
+    attention processor makes (its ``_move``), in order."""
+    moves = []
+    real_move = family_module._move
+
+    def spy(x, src, dst):
+        out = real_move(x, src, dst)
+        if out is not x:
+            moves.append((src, dst, tuple(x.shape)))
+        return out
+
+    monkeypatch.setattr(family_module, "_move", spy)
+    return moves
+
+
+def assert_refuses_other_dims_and_ring(model_class, saved, label: str) -> None:
+    """``cfg`` and ``dp`` dims and ``sp_mode="ring"`` raise, saying they are not supported yet."""
+    for dim in ("cfg", "dp"):
+        mesh = dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("sp", dim))
+        with pytest.raises(dtorch_hf.UnsupportedMeshDimError, match=f"not supported for {label} yet"):
+            dtorch_hf.parallelize(model_class.from_pretrained(saved), mesh)
+    mesh = dt.init_device_mesh("cpu", (4,), mesh_dim_names=("sp",))
+    with pytest.raises(dtorch_hf.UnsupportedMeshDimError, match="sp_mode='ring' is not supported"):
+        dtorch_hf.parallelize(model_class.from_pretrained(saved), mesh, sp_mode="ring")

@@ -14,12 +14,12 @@ from diffusers import FluxTransformer2DModel  # noqa: E402
 from diffusers.utils import logging as diffusers_logging  # noqa: E402
 
 from dtorch_hf.families import flux as flux_family  # noqa: E402
-from hf_testing import rel_err  # noqa: E402
+from hf_testing import (  # noqa: E402
+    TRANSFORMER_MESHES, assert_refuses_other_dims_and_ring, make_transformer_mesh, record_moves, rel_err)
 
 # 1 double-stream + 1 single-stream block, 4 heads of 16, RoPE axes 4+6+6 = head_dim
 CONFIG = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
               num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
-MESHES = {"tp4": ((4,), ("tp",)), "sp4": ((4,), ("sp",)), "tp2xsp2": ((2, 2), ("tp", "sp"))}
 # (latent patches h x w, text tokens, batch): 16 image + 5 text tokens (text 2/1/1/1 on sp 4,
 # the joint 21 uneven), and 15 image + 7 text (both streams uneven), batch 1 and 2
 CASES = {"16img+5txt": (4, 4, 5, 1), "15img+7txt-b2": (3, 5, 7, 2)}
@@ -46,30 +46,16 @@ def _inputs(h, w, txt, batch):
                 txt_ids=torch.zeros(txt, 3))
 
 
-def _mesh(name):
-    shape, names = MESHES[name]
-    return dt.init_device_mesh("cpu", shape, mesh_dim_names=names)
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("mesh_name", sorted(TRANSFORMER_MESHES))
 def test_forward_matches(session, saved, monkeypatch, mesh_name, case):
     ref = FluxTransformer2DModel.from_pretrained(saved).eval()
     model = FluxTransformer2DModel.from_pretrained(saved).eval()
-    assert dtorch_hf.parallelize(model, _mesh(mesh_name)) is model
+    assert dtorch_hf.parallelize(model, make_transformer_mesh(mesh_name)) is model
     q = model.transformer_blocks[0].attn.to_q.weight
     assert isinstance(q, dt.DTensor)
     assert (dt.Shard(0) in q.placements) == ("tp" in mesh_name)
-    moves = []
-    real_move = flux_family._move
-
-    def spy(x, src, dst):
-        out = real_move(x, src, dst)
-        if out is not x:
-            moves.append((src, dst, tuple(x.shape)))
-        return out
-
-    monkeypatch.setattr(flux_family, "_move", spy)
+    moves = record_moves(monkeypatch, flux_family)
     x = _inputs(*CASES[case])
     with torch.no_grad():
         got = model(**x)
@@ -88,16 +74,5 @@ def test_forward_matches(session, saved, monkeypatch, mesh_name, case):
     assert not dt.fallback_counts(), dt.fallback_counts()
 
 
-@pytest.mark.parametrize("dim", ["cfg", "dp"])
-def test_refused_dims(session, saved, dim):
-    model = FluxTransformer2DModel.from_pretrained(saved)
-    mesh = dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("sp", dim))
-    with pytest.raises(dtorch_hf.UnsupportedMeshDimError, match="not supported for Flux yet"):
-        dtorch_hf.parallelize(model, mesh)
-
-
-def test_ring_is_refused_until_it_exists(session, saved):
-    model = FluxTransformer2DModel.from_pretrained(saved)
-    mesh = dt.init_device_mesh("cpu", (4,), mesh_dim_names=("sp",))
-    with pytest.raises(dtorch_hf.UnsupportedMeshDimError, match="sp_mode='ring' is not supported"):
-        dtorch_hf.parallelize(model, mesh, sp_mode="ring")
+def test_refused_dims_and_ring(session, saved):
+    assert_refuses_other_dims_and_ring(FluxTransformer2DModel, saved, "Flux")

@@ -13,8 +13,9 @@ diffusers = pytest.importorskip("diffusers")
 from diffusers import SD3Transformer2DModel  # noqa: E402
 from diffusers.utils import logging as diffusers_logging  # noqa: E402
 
-from dtorch_hf.families import flux as flux_family  # noqa: E402
-from hf_testing import rel_err  # noqa: E402
+from dtorch_hf.families import sd3 as sd3_family  # noqa: E402
+from hf_testing import (  # noqa: E402
+    TRANSFORMER_MESHES, assert_refuses_other_dims_and_ring, make_transformer_mesh, record_moves, rel_err)
 
 # 2 joint blocks (the last context_pre_only), 4 heads of 8 (caption_projection_dim = heads x
 # head_dim, the joint attention's width), RMSNorm q/k norms, block 0 with SD3.5's second attention
@@ -22,7 +23,6 @@ CONFIG = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attentio
               num_attention_heads=4, joint_attention_dim=16, caption_projection_dim=32,
               pooled_projection_dim=16, out_channels=4, pos_embed_max_size=8, qk_norm="rms_norm",
               dual_attention_layers=(0,))
-MESHES = {"tp4": ((4,), ("tp",)), "sp4": ((4,), ("sp",)), "tp2xsp2": ((2, 2), ("tp", "sp"))}
 # (latent H, W, text tokens): 4x4 = 16 image + 5 text tokens (text 2/1/1/1 on sp 4, the joint
 # 21 uneven), and 3x5 = 15 image + 7 text (both streams uneven); batch 1
 KNOWN_FALLBACKS = {"aten.convolution.default": 1}
@@ -46,34 +46,18 @@ def _inputs(h, w, txt):
                 timestep=torch.tensor([0.3]))
 
 
-def _mesh(name):
-    shape, names = MESHES[name]
-    return dt.init_device_mesh("cpu", shape, mesh_dim_names=names)
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("mesh_name", sorted(TRANSFORMER_MESHES))
 def test_forward_matches(session, saved, monkeypatch, mesh_name, case):
     ref = SD3Transformer2DModel.from_pretrained(saved).eval()
     model = SD3Transformer2DModel.from_pretrained(saved).eval()
     assert model.transformer_blocks[-1].context_pre_only and model.transformer_blocks[-1].ff_context is None
-    assert dtorch_hf.parallelize(model, _mesh(mesh_name)) is model
+    assert dtorch_hf.parallelize(model, make_transformer_mesh(mesh_name)) is model
     for block in model.transformer_blocks:
         q = block.attn.to_q.weight
         assert isinstance(q, dt.DTensor)
         assert (dt.Shard(0) in q.placements) == ("tp" in mesh_name)
-    moves = []
-    real_move = flux_family._move
-
-    def spy(x, src, dst):
-        out = real_move(x, src, dst)
-        if out is not x:
-            moves.append((src, dst, tuple(x.shape)))
-        return out
-
-    from dtorch_hf.families import sd3 as sd3_family
-
-    monkeypatch.setattr(sd3_family, "_move", spy)
+    moves = record_moves(monkeypatch, sd3_family)
     h, w, txt = CASES[case]
     x = _inputs(h, w, txt)
     with torch.no_grad():
@@ -107,16 +91,5 @@ def test_plan_follows_context_pre_only(saved):
     assert "transformer_blocks.1.attn.add_q_proj" in plan and "transformer_blocks.0.attn2.to_q" in plan
 
 
-@pytest.mark.parametrize("dim", ["cfg", "dp"])
-def test_refused_dims(session, saved, dim):
-    model = SD3Transformer2DModel.from_pretrained(saved)
-    mesh = dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("sp", dim))
-    with pytest.raises(dtorch_hf.UnsupportedMeshDimError, match="not supported for SD3 yet"):
-        dtorch_hf.parallelize(model, mesh)
-
-
-def test_ring_is_refused(session, saved):
-    model = SD3Transformer2DModel.from_pretrained(saved)
-    mesh = dt.init_device_mesh("cpu", (4,), mesh_dim_names=("sp",))
-    with pytest.raises(dtorch_hf.UnsupportedMeshDimError, match="sp_mode='ring' is not supported"):
-        dtorch_hf.parallelize(model, mesh, sp_mode="ring")
+def test_refused_dims_and_ring(session, saved):
+    assert_refuses_other_dims_and_ring(SD3Transformer2DModel, saved, "SD3")
