@@ -15,6 +15,8 @@ import attrs
 from ..errors import OpError, SessionError
 from ..ir.instructions import Call, DefinePlan
 from ..mesh import DeviceMesh
+from ..placement import Replicate
+from ..spec import TensorSpec, contiguous_stride
 from ..tensor import DTensor, Handle
 from .emit import emit_steps
 from .source import user_source
@@ -203,9 +205,6 @@ def plain_input(session, x, mesh: DeviceMesh) -> tuple:
     key = ("plain zeros", mesh, tuple(x.shape), x.dtype)
     plan = session.plans.get(key)
     if plan is None:
-        from ..spec import TensorSpec, contiguous_stride
-        from ..placement import Replicate
-
         spec = TensorSpec(mesh, (Replicate(),) * mesh.ndim, tuple(x.shape), contiguous_stride(x.shape), x.dtype)
         region = tuple((0, n) for n in x.shape)
         kwargs = {"kind": "zeros", "shape": spec.shape, "region": region, "dtype": x.dtype, "fill": None,
