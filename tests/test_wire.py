@@ -160,6 +160,7 @@ def realistic_instructions() -> list:
         Collective("all_gather", 1, 0, 4, 5, 0),
         Collective("reduce_scatter", 1, 1, 6, 7, 1, "avg"),
         Collective("all_to_all", 1, 0, 8, 9, 1, "sum", 2),
+        Collective("shift", 1, 0, 10, 11, shapes=((2, 3), (1, 3)), dtype=torch.float32, offset=-1),
         Put(20, 1, {0: shard, 1: shard + 1, 2: torch.ones(0, 8), 3: torch.tensor(7, dtype=torch.int64)}),
         Delete(tuple(range(100, 400))),
         Fetch(20, 5, (0, 1, 2, 3)),

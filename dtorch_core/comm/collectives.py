@@ -45,12 +45,14 @@ def local_step(kind: str, x: torch.Tensor, index: int, size: int, dim: int, redu
     raise ValueError(kind)
 
 
-def combine_all(kind: str, values: list, dim: int, reduce_op: str, dim2: int) -> list:
+def combine_all(kind: str, values: list, dim: int, reduce_op: str, dim2: int, offset: int = 0) -> list:
     """Every group member's result of a communicating step, from all contributions.
 
     Each member gets its own tensor (members may later change theirs in place).
     """
     k = len(values)
+    if kind == "shift":
+        return [values[(i + offset) % k].clone() for i in range(k)]
     if kind == "all_gather":
         full = torch.cat(values, dim=dim)
         return [full] + [full.clone() for _ in range(k - 1)]
@@ -66,8 +68,11 @@ def combine_all(kind: str, values: list, dim: int, reduce_op: str, dim2: int) ->
     raise ValueError(kind)
 
 
-def combine_one(kind: str, values: list, dim: int, reduce_op: str, dim2: int, index: int) -> torch.Tensor:
+def combine_one(kind: str, values: list, dim: int, reduce_op: str, dim2: int, index: int,
+                offset: int = 0) -> torch.Tensor:
     """Member ``index``'s result of a communicating step (the values of :func:`combine_all`)."""
+    if kind == "shift":
+        return values[(index + offset) % len(values)].clone()
     if kind == "all_gather":
         return torch.cat(values, dim=dim)
     if kind == "all_reduce":

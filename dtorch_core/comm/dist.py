@@ -7,6 +7,9 @@ controller knows them all, so its instructions carry every rank's local shape an
 - on CPU (gloo) every step is one all-gather of the contributions (padded to the largest)
   followed by the ``combine_all`` arithmetic of the in-process runners, so every runner computes
   the same bits;
+- a ``shift`` (each member receives one peer's tensor) is one point-to-point send and receive
+  per member (``batch_isend_irecv``) on every device type: no member receives more than its
+  own result;
 - on devices (NCCL) each kind runs as the matching torch.distributed collective
   (``all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``, ``all_to_all_single``),
   padded where shards are uneven, on the caller's current stream (the worker's communication
@@ -80,7 +83,9 @@ class DistExchange:
         failure = value if type(value) is WorkerFailure else None
         if failure is not None:
             value = torch.zeros(shapes[index], dtype=ins.dtype, device=self.device)
-        if self.native and ins.dtype in _NATIVE_DTYPES:
+        if ins.kind == "shift":
+            result, peers_failed = _shift(members, group, index, shapes, ins.offset, value, failure is not None)
+        elif self.native and ins.dtype in _NATIVE_DTYPES:
             result = _NATIVE[ins.kind](ins, group, index, shapes, value)
             peers_failed = None  # no flags travel with a native collective
         else:
@@ -120,6 +125,28 @@ def _all_gather_padded(group, index, shapes, value, device, failed: bool) -> tup
         for i, (n, s) in enumerate(zip(nbytes, shapes))
     ]
     return values, bool(gathered[width - 1::width].any()) if device.type == "cpu" else None
+
+
+def _shift(members, group, index, shapes, offset, value, failed: bool) -> tuple:
+    """A shift by point-to-point sends: this member's bytes go to the member that receives from
+    it, and it receives from member ``index + offset``; the same on every device type (nothing
+    to reduce, so no order to keep). A flag byte travels behind the payload, read on CPU only
+    (as in :func:`_all_gather_padded`)."""
+    k = len(members)
+    source, target = (index + offset) % k, (index - offset) % k
+    if source == index:
+        return value.clone(), False if value.device.type == "cpu" else None
+    itemsize = value.element_size()
+    send = torch.empty(itemsize * math.prod(shapes[index]) + 1, dtype=torch.uint8, device=value.device)
+    if send.numel() > 1:
+        send[:-1] = value.contiguous().reshape(-1).view(torch.uint8)
+    send[-1] = int(failed)
+    recv = torch.empty(itemsize * math.prod(shapes[source]) + 1, dtype=torch.uint8, device=value.device)
+    ops = [dist.P2POp(dist.isend, send, members[target], group), dist.P2POp(dist.irecv, recv, members[source], group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    result = recv[:-1].view(value.dtype).reshape(shapes[source]) if recv.numel() > 1 else value.new_empty(shapes[source])
+    return result, bool(recv[-1]) if value.device.type == "cpu" else None
 
 
 # ---------------------------------------------------------------------------------------------

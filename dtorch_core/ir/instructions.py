@@ -63,7 +63,11 @@ class Call:
 
 @attrs.frozen
 class Collective:
-    """One redistribution step along one mesh dim (``kind`` in COLLECTIVE_KINDS)."""
+    """One redistribution step along one mesh dim (``kind`` in COLLECTIVE_KINDS).
+
+    ``shift`` is a cyclic permutation within each group: member i receives member
+    ``(i + offset) mod n``'s tensor (shapes may differ per member); no tensor dim is involved.
+    """
 
     kind: str
     mesh_id: int
@@ -77,6 +81,7 @@ class Collective:
     # comm/dist.py) its local shape on every rank of the mesh, in the mesh's rank order
     shapes: tuple = ()
     dtype: Any = None
+    offset: int = 0  # shift: which member each member receives from (its index + offset)
 
 
 @attrs.frozen
@@ -105,8 +110,9 @@ def merge_hints(per_source_shapes, dtypes) -> tuple[tuple, tuple]:
     return tuple(zip(*per_source_shapes)), dtypes
 
 
-COLLECTIVE_KINDS = ("alias", "all_gather", "all_reduce", "reduce_scatter", "local_chunk", "to_partial", "all_to_all")
-COMMUNICATING_KINDS = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all"})
+COLLECTIVE_KINDS = ("alias", "all_gather", "all_reduce", "reduce_scatter", "local_chunk", "to_partial", "all_to_all",
+                    "shift")
+COMMUNICATING_KINDS = frozenset({"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "shift"})
 
 
 @attrs.frozen

@@ -209,7 +209,7 @@ def _signature(body, made) -> tuple:
                         tuple(-1 if o < 0 else name(o) for o in ins.outputs), ins.source, ins.seed))
         elif t is Collective:
             sig.append(("collective", ins.kind, ins.mesh_id, ins.mesh_dim, name(ins.src), name(ins.dst),
-                        ins.dim, ins.reduce_op, ins.dim2))
+                        ins.dim, ins.reduce_op, ins.dim2, ins.offset))
         elif t is MergedAllReduce:
             sig.append(("merged", ins.mesh_id, ins.mesh_dim, ins.reduce_op, tuple(name(i) for i in ins.srcs),
                         tuple(name(o) for o in ins.dsts)))

@@ -4,12 +4,16 @@ backward ops that rebuild a shape (slice/select_backward)."""
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from .common import ALL_PARTIALS, LINEAR_PARTIALS, add_all, dim_map_strategies, view_dim_map
 from ..errors import OpError
 from ..planner.schema import Rule
+from ..placement import Shard
 from ..planner.dispatch import dispatch_direct
+from ..planner.moves import issue_shift
+from ..spec import contiguous_stride
 
 aten = torch.ops.aten
 
@@ -235,6 +239,7 @@ def register(registry) -> None:
     registry.add(aten.view.dtype, view_dtype_rule, replace=True)
     registry.add(aten.repeat.default, Rule(repeat_rule), replace=True)
     registry.add(aten.roll.default, roll_rule, replace=True)
+    registry.add_decomposition(aten.roll.default, roll_decomposition, replace=True)
     registry.add(aten.constant_pad_nd.default, constant_pad_rule, replace=True)
     for packet in (aten.tril, aten.triu, aten.tril_, aten.triu_):
         add_all(registry, packet, Rule(triangle_rule, triangle_localize))
@@ -255,6 +260,40 @@ def repeat_rule(call):
     off = len(repeats) - x.ndim
     return dim_map_strategies(call, {d: d + off for d in range(x.ndim) if repeats[d + off] == 1},
                               partials=ALL_PARTIALS)
+
+
+def roll_decomposition(x, shifts, dims=()):
+    """``roll`` by whole shards of a dim sharded evenly over one mesh dim is one ``shift``
+    collective (each rank receives one peer's shard, nothing is gathered); several dims roll one
+    after another; other rolls go to :func:`roll_rule`, which keeps the rolled dims whole."""
+    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if len(dims) > 1 and len(dims) == len(shifts):
+        for s, d in zip(shifts, dims):
+            x = aten.roll.default(x, [s], [d])
+        return x
+    if len(dims) == 1 and len(shifts) == 1:
+        offset = _shard_offset(x._spec, shifts[0], _norm(dims[0], x.ndim))
+        if offset is not None:
+            spec = x._spec
+            spec = attrs.evolve(spec, stride=contiguous_stride(spec.shape))
+            return issue_shift(x, offset[0], offset[1], spec, op_name=str(aten.roll.default))
+    return dispatch_direct(aten.roll.default, (x, shifts, dims), {})
+
+
+def _shard_offset(spec, shift: int, dim: int):
+    """``(mesh dim, offset)`` of the shift that rolls ``dim`` by ``shift``, where one mesh dim
+    shards it evenly and ``shift`` is a multiple of the shard length; else None."""
+    sharding = [m for m, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim == dim]
+    if len(sharding) != 1:
+        return None
+    m = sharding[0]
+    parts, length = spec.mesh.shape[m], spec.shape[dim]
+    if length % parts or shift % (length // parts or 1):
+        return None
+    # the roll puts chunk i - q at chunk i: member i receives from member i - q
+    q = shift // (length // parts) if length else 0
+    return m, (-q) % parts
 
 
 def roll_rule(call):

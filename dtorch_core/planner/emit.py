@@ -24,7 +24,7 @@ from ..spec import local_shapes
 class CommEvent:
     """One collective issued: its kind, the op that needed it, the global bytes of its tensor."""
 
-    kind: str  # all_gather, all_reduce, reduce_scatter, all_to_all
+    kind: str  # all_gather, all_reduce, reduce_scatter, all_to_all, shift
     op: str  # the op (or "redistribute", "full_tensor", ...) the collective was issued for
     nbytes: int  # global size of the tensor the collective works on
 
@@ -55,6 +55,17 @@ def emit_steps(session, mesh_id: int, tid: int, steps, spec, op_name: str = "") 
         tid = new
         placements = step.placements
     return made
+
+
+def emit_shift(session, mesh_id: int, tid: int, spec, mesh_dim: int, offset: int, op_name: str = "") -> int:
+    """Emit a shift of tensor ``tid`` (of ``spec``) along ``mesh_dim``: each member of a group
+    receives member ``index + offset``'s local tensor. The id made."""
+    new = session.new_tid()
+    shapes = local_shapes(spec.shape, spec.placements, spec.mesh.shape) if session.collective_hints else ()
+    if session.comm_counters:
+        note_comm(session, CommEvent("shift", op_name, math.prod(spec.shape) * spec.dtype.itemsize))
+    session.emit(Collective("shift", mesh_id, mesh_dim, tid, new, shapes=shapes, dtype=spec.dtype, offset=offset))
+    return new
 
 
 def merged_hints(session, specs) -> tuple[tuple, tuple]:

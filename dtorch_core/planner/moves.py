@@ -14,7 +14,7 @@ from ..mesh import DeviceMesh, root_coordinate
 from ..placement import Partial, Replicate
 from ..redistribute import plan_redistribute
 from ..tensor import DTensor, view_for
-from .emit import emit_steps
+from .emit import emit_shift, emit_steps
 
 
 def issue_redistribute(x: DTensor, placements: tuple, view: DeviceMesh | None = None,
@@ -32,6 +32,17 @@ def issue_redistribute(x: DTensor, placements: tuple, view: DeviceMesh | None = 
     temps = emit_steps(session, session.mesh_id(spec.mesh), x._tid, steps, spec, op_name)
     session.release_many(temps[:-1])
     return DTensor._make(new_spec, view or view_for(new_spec, x._view), temps[-1], session)
+
+
+def issue_shift(x: DTensor, mesh_dim: int, offset: int, spec=None, op_name: str = "shift") -> DTensor:
+    """A handle of ``spec`` (``x``'s own if omitted) whose local tensors are ``x``'s shifted
+    along ``mesh_dim``: each member of a group holds member ``index + offset``'s local tensor of
+    ``x``. The caller's ``spec`` says what that means globally (a roll by whole shards keeps the
+    placements). No autograd: ``aten.roll``'s decomposition is the differentiable way in."""
+    session = x._handle.session
+    spec = x._spec if spec is None else spec
+    tid = emit_shift(session, session.mesh_id(x._spec.mesh), x._tid, x._spec, mesh_dim, offset, op_name)
+    return DTensor._make(spec, view_for(spec, x._view), tid, session)
 
 
 def without_partial(placements) -> tuple:

@@ -36,7 +36,7 @@ class CollectiveStep:
                 return [v] * len(values)
         ins = self.ins
         try:
-            return combine_all(ins.kind, values, ins.dim, ins.reduce_op, ins.dim2)
+            return combine_all(ins.kind, values, ins.dim, ins.reduce_op, ins.dim2, ins.offset)
         except Exception as exc:
             failure = WorkerFailure(self.rank, f"collective {ins.kind}", None, f"{type(exc).__name__}: {exc}")
             return [failure] * len(values)
@@ -45,7 +45,7 @@ class CollectiveStep:
         """Member ``index``'s result alone (communicators where each member computes its own)."""
         ins = self.ins
         try:
-            return combine_one(ins.kind, values, ins.dim, ins.reduce_op, ins.dim2, index)
+            return combine_one(ins.kind, values, ins.dim, ins.reduce_op, ins.dim2, index, ins.offset)
         except Exception as exc:
             return WorkerFailure(self.rank, f"collective {ins.kind}", None, f"{type(exc).__name__}: {exc}")
 

@@ -17,7 +17,7 @@ import torch
 from .. import instructions as _ins
 
 MAGIC = b"DW"
-VERSION = 3  # 2: DefineProgram.fusable; 3: Collective/MergedAllReduce shapes and dtypes
+VERSION = 4  # 2: DefineProgram.fusable; 3: Collective/MergedAllReduce shapes and dtypes; 4: Collective.offset
 KIND_VALUE = 0  # any supported value (control messages)
 KIND_BATCH = 1  # a list of instructions
 KIND_REPLY = 2  # a Reply
