@@ -260,3 +260,37 @@ def test_householder_backward_raises_instead_of_wrong_gradients(mesh1d, which):
     assert_close(out, fn(a, tau), rtol=1e-4, atol=1e-5)  # the forward is right
     with pytest.raises(dt.OpError, match="redistributed copy"):
         out.sum().backward()
+
+
+# a (batch, seq) flatten keeps the sequence shard where the batch is split into single rows over
+# an earlier mesh dim (CFG x sequence parallel before a Linear), and the split after it does too:
+# nothing moves, uneven sequence shards included (15 over 2: 8 + 7)
+NESTED = [
+    # name, op, input shape for a batch of `rows`, input placements, output placements
+    ("flatten", lambda x: x.flatten(0, 1), lambda rows: (rows, 15, 8), (S(0), S(1)), (S(0), S(0))),
+    ("view", lambda x: x.view(-1, 8), lambda rows: (rows, 15, 8), (S(0), S(1)), (S(0), S(0))),
+    ("split", lambda x: x.view(-1, 15, 8), lambda rows: (rows * 15, 8), (S(0), S(0)), (S(0), S(1))),
+    ("linear", lambda x: torch.nn.functional.linear(x, torch.ones(4, 8)), lambda rows: (rows, 15, 8),
+     (S(0), S(1)), (S(0), S(1))),
+]
+
+
+@pytest.mark.parametrize("case", NESTED, ids=[c[0] for c in NESTED])
+def test_batch_rows_keep_sequence_shards(mesh2d, case):
+    _, fn, shape, src, expected = case
+    x = torch.randn(shape(mesh2d.size(0)))
+    d = dt.distribute_tensor(x, mesh2d, list(src))
+    with dt.debug.comm_mode() as comm:
+        out = fn(d)
+    assert not comm.events, comm.events
+    assert tuple(out.placements) == expected
+    assert_close(out.full_tensor(), fn(x))
+
+
+def test_batch_of_several_rows_is_not_mistaken_for_a_run(mesh2d):
+    """Two batch rows per rank with sequence shards: the flattened shard is not contiguous, so
+    the view must redistribute (regions, not only sizes, are compared: here they match in size)."""
+    x = torch.randn(2 * mesh2d.size(0), 2 * mesh2d.size(1), 3)
+    d = dt.distribute_tensor(x, mesh2d, [S(0), S(1)])
+    out = d.flatten(0, 1)
+    assert_close(out.full_tensor(), x.flatten(0, 1))

@@ -73,42 +73,6 @@ def pointwise_strategies(call, linear=(), skip_dims=(), partial_ops=LINEAR_PARTI
     return strategies
 
 
-def view_dim_map(in_shape, out_shape) -> dict:
-    """For a reshape: input dim -> output dim where a shard of the input dim can stay a shard.
-
-    Dims are grouped where their products match; inside a group the first non-1 input dim maps
-    to the first non-1 output dim. The dispatcher rejects uneven cases by checking local shapes.
-    """
-    mapping = {}
-    i = j = 0
-    ni, no = len(in_shape), len(out_shape)
-    while i < ni and j < no:
-        if in_shape[i] == 1 and out_shape[j] != 1:
-            i += 1
-            continue
-        if out_shape[j] == 1 and in_shape[i] != 1:
-            j += 1
-            continue
-        gi, gj = i, j
-        pi, pj = in_shape[i], out_shape[j]
-        i += 1
-        j += 1
-        while pi != pj:
-            if pi < pj:
-                if i >= ni:
-                    break
-                pi *= in_shape[i]
-                i += 1
-            else:
-                if j >= no:
-                    break
-                pj *= out_shape[j]
-                j += 1
-        if pi == pj and in_shape[gi] != 1 and out_shape[gj] != 1:
-            mapping[gi] = gj
-    return mapping
-
-
 def add_all(registry, packet, rule, **kw) -> None:
     """Register ``rule`` for every overload of ``packet`` (replacing earlier rules)."""
     for name in packet.overloads():

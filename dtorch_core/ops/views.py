@@ -7,7 +7,8 @@ from __future__ import annotations
 import attrs
 import torch
 
-from .common import ALL_PARTIALS, LINEAR_PARTIALS, add_all, dim_map_strategies, view_dim_map
+from .common import ALL_PARTIALS, LINEAR_PARTIALS, add_all, dim_map_strategies
+from .reshape import view_localize, view_rule
 from ..errors import OpError
 from ..planner.schema import Rule
 from ..placement import Shard
@@ -20,11 +21,6 @@ aten = torch.ops.aten
 
 def _norm(d, nd):
     return d % nd if nd else 0
-
-
-def view_rule(call):
-    x, out = call.inputs[0], call.outputs[0]
-    return dim_map_strategies(call, view_dim_map(tuple(x.shape), tuple(out.shape)), partials=ALL_PARTIALS)
 
 
 def local_out_shape_arg(index):
@@ -213,7 +209,7 @@ def register(registry) -> None:
     for inplace, out_of_place in INPLACE_VIEWS.items():
         registry.add_decomposition(inplace, inplace_view_decomposition(inplace, out_of_place), replace=True)
     for op in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
-        registry.add(op, Rule(view_rule, local_out_shape_arg(1)), replace=True)
+        registry.add(op, Rule(view_rule, view_localize), replace=True)
     registry.add(aten.expand.default, Rule(expand_rule, local_out_shape_arg(1)), replace=True)
     registry.add(aten.permute.default, permute_rule, replace=True)
     registry.add(aten.diagonal.default, diagonal_rule, replace=True)

@@ -24,7 +24,7 @@ from ..spec import TensorSpec, contiguous_stride, shard_region
 from ..tensor import DTensor, view_for
 from ..worker.kernels import SEEDED_PREFIX
 from .plans import DirectPlan, kernel_plan
-from .schema import LocalCall, OpCall, Rule, Strategy
+from .schema import LocalCall, NotLocal, OpCall, Rule, Strategy
 from .trees import count_tensors, flatten_outputs, substitute
 
 
@@ -229,8 +229,11 @@ def _localize_all(req: PlanRequest, in_specs, out_specs) -> dict | None:
             None if s is None else shard_region(s.shape, s.placements, mesh.shape, coord) for s in out_specs
         )
         if rule.localize is not None:
-            a, kw = rule.localize(LocalCall(req.template_args, dict(req.template_kwargs), in_regions, out_regions,
-                                            tuple(in_specs), tuple(out_specs), coord))
+            try:
+                a, kw = rule.localize(LocalCall(req.template_args, dict(req.template_kwargs), in_regions,
+                                                out_regions, tuple(in_specs), tuple(out_specs), coord))
+            except NotLocal:
+                return None
         else:
             a, kw = req.template_args, req.template_kwargs
         results[rank] = (a, kw)

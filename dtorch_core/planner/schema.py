@@ -50,6 +50,11 @@ class LocalCall:
     coord: tuple
 
 
+class NotLocal(Exception):
+    """Raised by a rule's ``localize`` when a combination of strategies gives this rank a local
+    result that is not its region of the output: the dispatcher tries the next combination."""
+
+
 @attrs.frozen
 class Rule:
     """A placement signature plus how to run it locally.

@@ -1,4 +1,5 @@
-"""Splitting the batch over the "dp" mesh dim where a model's inputs enter it."""
+"""Laying a model's inputs out over named mesh dims where they enter it: the batch over "dp"
+and "cfg", the sequence over "sp"."""
 
 from __future__ import annotations
 
@@ -12,26 +13,45 @@ from dtorch_core.mesh import DeviceMesh
 from dtorch_core.placement import Replicate, Shard
 
 
-def _split(value, mesh: DeviceMesh, dim: int):
-    # only plain tensors: a DTensor is already laid out (an encoder output during generate)
-    if not isinstance(value, torch.Tensor) or isinstance(value, dt.DTensor) or value.ndim == 0:
+def lay_out(value, mesh: DeviceMesh, wanted: dict):
+    """``value`` with each mesh dim ``d`` of ``wanted`` laid out as ``wanted[d]``.
+
+    A plain tensor is distributed (Replicate on the other dims). A DTensor on ``mesh`` (a
+    pipeline's latents after the first step, an encoder output during generate) changes only
+    the dims where it is Replicate: that is a local slice on each worker, no communication; a
+    dim it already shards otherwise stays as it is (the values are the same either way).
+    Anything else (0-d tensors, non-tensors, DTensors of another mesh) passes unchanged."""
+    if not isinstance(value, torch.Tensor) or value.ndim == 0:
         return value
-    placements = [Replicate()] * mesh.ndim
-    placements[dim] = Shard(0)
-    return dt.distribute_tensor(value, mesh, placements)
+    if not isinstance(value, dt.DTensor):
+        placements = [Replicate()] * mesh.ndim
+        for d, p in wanted.items():
+            placements[d] = p
+        return dt.distribute_tensor(value, mesh, placements)
+    if value.device_mesh != mesh:
+        return value
+    placements = list(value.placements)
+    changed = False
+    for d, p in wanted.items():
+        if placements[d] == Replicate() and p != Replicate():
+            placements[d] = p
+            changed = True
+    return value.redistribute(mesh, placements) if changed else value
 
 
-def split_batch_on_entry(model: nn.Module, mesh: DeviceMesh, dim: int, patterns, kwargs_names) -> list[str]:
+def split_batch_on_entry(model: nn.Module, mesh: DeviceMesh, dims: list[int], patterns, kwargs_names) -> list[str]:
     """Install hooks on the sub-modules matching ``patterns`` ("" is the model itself) that lay
-    their ``kwargs_names`` inputs (and first positional input) out as Shard(0) on mesh dim
-    ``dim``. Masks stay plain: transformers builds attention masks from them on the controller,
-    and a plain tensor meeting a sharded one is taken as replicated. Returns the hooked names."""
+    their ``kwargs_names`` inputs (and first positional input) out as Shard(0) on the mesh dims
+    ``dims`` ("dp", "cfg"). Masks stay plain: transformers builds attention masks from them on
+    the controller, and a plain tensor meeting a sharded one is taken as replicated. Returns the
+    hooked names."""
     names = set(kwargs_names)
+    wanted = {d: Shard(0) for d in dims}
 
     def hook(module, args, kwargs):
         if args:
-            args = (_split(args[0], mesh, dim),) + tuple(args[1:])
-        kwargs = {k: (_split(v, mesh, dim) if k in names else v) for k, v in kwargs.items()}
+            args = (lay_out(args[0], mesh, wanted),) + tuple(args[1:])
+        kwargs = {k: (lay_out(v, mesh, wanted) if k in names else v) for k, v in kwargs.items()}
         return args, kwargs
 
     hooked = []

@@ -21,23 +21,31 @@ from .styles import apply_style
 log = structlog.get_logger(__name__)
 
 SP_MODES = ("ulysses", "ring")
+UNUSED_DIMS = ("error", "replicate")
+BATCH_DIMS = ("dp", "cfg")
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, *, sp_mode: str = "ulysses", plan: dict | None = None) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, *, sp_mode: str = "ulysses", plan: dict | None = None,
+                unused_dims: str = "error") -> nn.Module:
     """Parallelize ``model`` in place over ``mesh`` and return it.
 
     Mesh dims are read by name: ``"tp"`` (the family's tensor-parallel plan, or ``plan``),
-    ``"dp"`` (the batch split where inputs enter the model), ``"sp"`` (sequence parallel, with
-    ``sp_mode`` "ulysses" or "ring") and ``"cfg"``, in any subset and order; a dim the model's
-    family cannot use raises ``UnsupportedMeshDimError``. ``plan`` (``{glob pattern: style}``
+    ``"dp"`` and ``"cfg"`` (the batch split where inputs enter the model: a pipeline's
+    conditional and unconditional halves land on different devices), ``"sp"`` (sequence
+    parallel, with ``sp_mode`` "ulysses" or "ring"), in any subset and order; a dim the model's
+    family cannot use raises ``UnsupportedMeshDimError``, or with ``unused_dims="replicate"``
+    the model is replicated over it (how a pipeline puts its text encoders and VAE on the
+    transformer's mesh). ``plan`` (``{glob pattern: style}``
     as ``dt.nn.parallelize_module`` takes) replaces the family's tp plan. Every parameter and
     buffer not sharded is replicated on the whole mesh. The model is called as before; its
     outputs hold dtorch DTensors (``.full_tensor()`` reads one on the controller).
     """
+    if unused_dims not in UNUSED_DIMS:
+        raise UnsupportedMeshDimError(f"unused_dims={unused_dims!r}; it takes one of {UNUSED_DIMS}")
     if sp_mode not in SP_MODES:
         raise UnsupportedMeshDimError(f"sp_mode={sp_mode!r}; it takes one of {SP_MODES}")
     family = family_for(model)
-    dims = read_mesh_dims(mesh, family, type(model).__name__)
+    dims = read_mesh_dims(mesh, family, type(model).__name__, replicate_unused=unused_dims == "replicate")
     if "sp" in dims.index and sp_mode not in family.sp_modes:
         raise UnsupportedMeshDimError(
             f"sp_mode={sp_mode!r} is not supported for {type(model).__name__} yet (family {family.name!r} "
@@ -61,9 +69,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sp_mode: str = "ulysses",
         for name in hits:
             apply_style(style, named[name], mesh, "tp")
     replicate_rest(model, mesh)
-    if dims.size("dp") > 1:
-        hooked = split_batch_on_entry(model, mesh, dims.index["dp"], family.batch_modules, family.batch_kwargs)
-        log.debug("batch split over dp", modules=hooked)
+    batch_dims = [dims.index[name] for name in BATCH_DIMS if dims.size(name) > 1]
+    if batch_dims:
+        hooked = split_batch_on_entry(model, mesh, batch_dims, family.batch_modules, family.batch_kwargs)
+        log.debug("batch split", dims=[n for n in BATCH_DIMS if dims.size(n) > 1], modules=hooked)
     log.debug("parallelized", model=type(model).__name__, family=family.name, mesh=repr(mesh),
               plan_entries=len(chosen))
     return model

@@ -5,7 +5,6 @@ of the sequence <-> head moves and the refusal checks."""
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers import T5Config
 
 import dtorch_core as dt
@@ -44,8 +43,10 @@ def rel_err(got, want) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)).item()
 
 
-# the diffusion transformers' meshes: tp over all four devices, Ulysses sp, and both
-TRANSFORMER_MESHES = {"tp4": ((4,), ("tp",)), "sp4": ((4,), ("sp",)), "tp2xsp2": ((2, 2), ("tp", "sp"))}
+# the diffusion transformers' meshes: tp over all four devices, Ulysses sp, both, and the
+# batch split over "cfg" (a pipeline's unconditional and conditional halves) with sp
+TRANSFORMER_MESHES = {"tp4": ((4,), ("tp",)), "sp4": ((4,), ("sp",)), "tp2xsp2": ((2, 2), ("tp", "sp")),
+                      "cfg2xsp2": ((2, 2), ("cfg", "sp"))}
 
 
 def make_transformer_mesh(name: str):
@@ -69,12 +70,8 @@ def record_moves(monkeypatch, family_module) -> list:
     return moves
 
 
-def assert_refuses_other_dims_and_ring(model_class, saved, label: str) -> None:
-    """``cfg`` and ``dp`` dims and ``sp_mode="ring"`` raise, saying they are not supported yet."""
-    for dim in ("cfg", "dp"):
-        mesh = dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("sp", dim))
-        with pytest.raises(dtorch_hf.UnsupportedMeshDimError, match=f"not supported for {label} yet"):
-            dtorch_hf.parallelize(model_class.from_pretrained(saved), mesh)
+def assert_refuses_ring(model_class, saved) -> None:
+    """``sp_mode="ring"`` raises, saying it is not supported yet."""
     mesh = dt.init_device_mesh("cpu", (4,), mesh_dim_names=("sp",))
     with pytest.raises(dtorch_hf.UnsupportedMeshDimError, match="sp_mode='ring' is not supported"):
         dtorch_hf.parallelize(model_class.from_pretrained(saved), mesh, sp_mode="ring")

@@ -98,3 +98,21 @@ def test_third_party_family(session):
     finally:
         registry.entries.pop("tiny-mlp")
         registry.owners.pop("tiny-mlp")
+
+
+def test_unused_dims_replicate(session):
+    """unused_dims="replicate": a dim the family cannot use (T5 and "sp") is replicated over,
+    as a pipeline puts its text encoder on the transformer's mesh; the output is unchanged."""
+    torch.manual_seed(0)
+    ref = T5EncoderModel(tiny_config("uneven")).eval()
+    model = T5EncoderModel(tiny_config("uneven")).eval()
+    model.load_state_dict(ref.state_dict())
+    mesh = dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("sp", "tp"))
+    dtorch_hf.parallelize(model, mesh, unused_dims="replicate")
+    q = model.encoder.block[0].layer[0].SelfAttention.q.weight
+    assert tuple(q.placements) == (dt.Replicate(), dt.Shard(0))
+    ids = torch.randint(2, 64, (3, 7))
+    with torch.no_grad():
+        assert rel_err(model(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state) <= 1e-4
+    with pytest.raises(dt.errors.ConfigError, match="unused_dims"):
+        dtorch_hf.parallelize(T5EncoderModel(tiny_config("even")), mesh, unused_dims="ignore")

@@ -17,6 +17,9 @@ diffusers' FluxAttnProcessor: q/k/v are redistributed from sequence shards to he
 all-to-all), SDPA runs on whole sequences, and the output is redistributed back to sequence
 shards. On a tp x sp mesh the heads end up split over both dims.
 
+Batch (``"cfg"``, ``"dp"``): the inputs with a batch dim (``BATCH_INPUTS``) enter the model
+split on it (Shard(0)); with "sp" as well, each batch shard is then split on the sequence.
+
 The family sees neither the mesh nor ``sp_mode`` at parallelize time (``ModelFamily`` has only
 ``tp_plan(model)``), so the processor and the entry hook read the mesh from the DTensors they
 meet at call time: the "sp" dim is found by name.
@@ -31,12 +34,11 @@ import torch.nn.functional as F
 import dtorch_core as dt
 from dtorch_core.placement import Replicate, Shard
 
+from ..batch import lay_out
 from ..family import ModelFamily
 
-REFUSED = {
-    "cfg": "CFG parallel is not supported for Flux yet (it belongs to the pipelines)",
-    "dp": "data parallel is not supported for Flux yet",
-}
+# the inputs with a batch dim, split over "cfg" and "dp" where they enter the model
+BATCH_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance")
 SEQ, HEADS = 1, 2          # (batch, sequence, heads, head_dim), diffusers' attention layout
 _HOOKED = "_dtorch_flux_sp_hook"
 
@@ -122,13 +124,6 @@ def _sequence_shard_inputs(model):
     """A forward pre-hook laying ``hidden_states`` and ``encoder_hidden_states`` out as
     Shard(1) on the mesh's "sp" dim (read from the model's DTensor parameters at call time)."""
 
-    def shard(value, mesh, dim):
-        if not isinstance(value, torch.Tensor) or isinstance(value, dt.DTensor) or value.ndim != 3:
-            return value
-        placements = [Replicate()] * mesh.ndim
-        placements[dim] = Shard(SEQ)
-        return dt.distribute_tensor(value, mesh, placements)
-
     def hook(module, args, kwargs):
         weight = module.x_embedder.weight
         if not isinstance(weight, dt.DTensor):
@@ -137,15 +132,19 @@ def _sequence_shard_inputs(model):
         names = mesh.mesh_dim_names or ()
         if "sp" not in names or mesh.size(names.index("sp")) == 1:
             return args, kwargs
-        dim = names.index("sp")
+        wanted = {names.index("sp"): Shard(SEQ)}
+
+        def shard(value):
+            return lay_out(value, mesh, wanted) if isinstance(value, torch.Tensor) and value.ndim == 3 else value
+
         if args:
-            args = (shard(args[0], mesh, dim),) + tuple(args[1:])
+            args = (shard(args[0]),) + tuple(args[1:])
         if "hidden_states" in kwargs:
-            kwargs["hidden_states"] = shard(kwargs["hidden_states"], mesh, dim)
+            kwargs["hidden_states"] = shard(kwargs["hidden_states"])
         if "encoder_hidden_states" in kwargs:
-            kwargs["encoder_hidden_states"] = shard(kwargs["encoder_hidden_states"], mesh, dim)
+            kwargs["encoder_hidden_states"] = shard(kwargs["encoder_hidden_states"])
         elif len(args) > 1:
-            args = (args[0], shard(args[1], mesh, dim)) + tuple(args[2:])
+            args = (args[0], shard(args[1])) + tuple(args[2:])
         return args, kwargs
 
     return hook
@@ -206,8 +205,8 @@ def flux_tp_plan(model: nn.Module) -> dict:
 FLUX_FAMILY = ModelFamily(
     name="flux",
     model_classes=("FluxTransformer2DModel",),
-    dims=frozenset({"tp", "sp"}),
+    dims=frozenset({"tp", "sp", "cfg", "dp"}),
     tp_plan=flux_tp_plan,
-    refused=REFUSED,
+    batch_kwargs=BATCH_INPUTS,
     sp_modes=("ulysses",),
 )

@@ -17,6 +17,10 @@ values). Attention runs through ``DtorchSD3AttnProcessor`` (installed with diffu
 moves: q/k/v of each stream go from sequence shards to head shards (an all-to-all), SDPA runs
 on the whole joint image+text sequence, and each stream's output goes back to sequence shards.
 ``proj_out``'s output is gathered on "sp" (a forward hook) before the unpatchify reshape.
+
+Batch (``"cfg"``, ``"dp"``): the inputs with a batch dim (``BATCH_INPUTS``) enter the model
+split on it (Shard(0)): in StableDiffusion3Pipeline's classifier-free guidance the
+unconditional and conditional halves of the batch run on different devices.
 """
 
 from __future__ import annotations
@@ -28,13 +32,12 @@ import torch.nn.functional as F
 import dtorch_core as dt
 from dtorch_core.placement import Replicate, Shard
 
+from ..batch import lay_out
 from ..family import ModelFamily
 from .flux import HEADS, SEQ, _move, _sp_dims
 
-REFUSED = {
-    "cfg": "CFG parallel is not supported for SD3 yet (it belongs to the pipelines)",
-    "dp": "data parallel is not supported for SD3 yet",
-}
+# the inputs with a batch dim, split over "cfg" and "dp" where they enter the model
+BATCH_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
 _HOOKED = "_dtorch_sd3_sp_hook"
 
 
@@ -116,15 +119,7 @@ def _shard_tokens(model):
         mesh, dim = _sp_dim_of(model)
         if mesh is None or not isinstance(output, torch.Tensor) or output.ndim != 3:
             return output
-        placements = [Replicate()] * mesh.ndim
-        placements[dim] = Shard(SEQ)
-        if isinstance(output, dt.DTensor):
-            if output.placements[dim] == Replicate():
-                wanted = list(output.placements)
-                wanted[dim] = Shard(SEQ)
-                return output.redistribute(mesh, wanted)
-            return output
-        return dt.distribute_tensor(output, mesh, placements)
+        return lay_out(output, mesh, {dim: Shard(SEQ)})
 
     return hook
 
@@ -180,8 +175,8 @@ def sd3_tp_plan(model: nn.Module) -> dict:
 SD3_FAMILY = ModelFamily(
     name="sd3",
     model_classes=("SD3Transformer2DModel",),
-    dims=frozenset({"tp", "sp"}),
+    dims=frozenset({"tp", "sp", "cfg", "dp"}),
     tp_plan=sd3_tp_plan,
-    refused=REFUSED,
+    batch_kwargs=BATCH_INPUTS,
     sp_modes=("ulysses",),
 )
