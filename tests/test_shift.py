@@ -1,7 +1,9 @@
 """The ``shift`` collective (member i receives member i + offset's tensor) and ``aten.roll`` by
 whole shards, which plans as one shift: equal to torch's roll on every runner, eager and under
 dt.compile, with no gather; the communicator between processes (comm/dist.py) over uneven
-per-member shapes, its failure flag, and the wire encoding of the instruction."""
+per-member shapes, its failure flag, and the wire encoding of the instruction. Also the padding
+that lays uneven sequence shards out as equal blocks for a roll (F.pad at a sharded dim's end
+pads each rank's shard, with no communication)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import torch.multiprocessing as mp
 
 import dtorch_core as dt
@@ -108,6 +111,31 @@ def test_shift_travels_on_the_wire():
     ins = Collective("shift", 1, 0, 4, 5, shapes=((2, 3), (1, 3)), dtype=torch.float32, offset=-1)
     assert wire.decode(wire.encode([ins])) == [ins]
     assert wire.VERSION == 4
+
+
+@pytest.mark.parametrize("length", [5, 7, 9, 21, 1, 8])
+def test_end_padding_of_uneven_shards_stays_local(mesh, length):
+    """Padding an uneven sequence to parts x ceil(length / parts) and cropping it back: every
+    rank pads or crops its own shard (torch.chunk puts the padded chunks where the old ones
+    were), nothing moves, gradients included; a pad that would need data moved still gathers."""
+    sp = mesh.ndim - 1
+    parts = mesh.size(sp)
+    padded = parts * -(-length // parts)
+    placements = [dt.Shard(2)] * mesh.ndim
+    placements[sp] = dt.Shard(1)
+    x = torch.randn(1, length, 4, 2, requires_grad=True)
+    d = dt.distribute_tensor(x.detach(), mesh, placements).requires_grad_()
+    with dt.debug.comm_mode() as comm:
+        y = F.pad(d, (0, 0, 0, 0, 0, padded - length))
+        z = F.pad(y * 2, (0, 0, 0, 0, 0, length - padded))
+        z.sum().backward()
+    assert not comm.events, comm.counts()
+    assert tuple(y.placements) == tuple(z.placements) == tuple(placements)
+    assert torch.equal(y.full_tensor(), F.pad(x, (0, 0, 0, 0, 0, padded - length)))
+    assert torch.equal(z.full_tensor(), 2 * x)
+    assert torch.equal(d.grad.full_tensor(), torch.full_like(x, 2.0))
+    for pad in ((0, 0, 0, 0, 1, 0), (0, 0, 0, 0, 0, padded - length + parts)):
+        assert torch.equal(F.pad(d, pad).full_tensor(), F.pad(x, pad)), pad
 
 
 # -- DistExchange between real processes ----------------------------------------------------------

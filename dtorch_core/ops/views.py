@@ -10,7 +10,7 @@ import torch
 from .common import ALL_PARTIALS, LINEAR_PARTIALS, add_all, dim_map_strategies
 from .reshape import view_localize, view_rule
 from ..errors import OpError
-from ..planner.schema import Rule
+from ..planner.schema import NotLocal, Rule
 from ..placement import Shard
 from ..planner.dispatch import dispatch_direct
 from ..planner.moves import issue_shift
@@ -236,7 +236,7 @@ def register(registry) -> None:
     registry.add(aten.repeat.default, Rule(repeat_rule), replace=True)
     registry.add(aten.roll.default, roll_rule, replace=True)
     registry.add_decomposition(aten.roll.default, roll_decomposition, replace=True)
-    registry.add(aten.constant_pad_nd.default, constant_pad_rule, replace=True)
+    registry.add(aten.constant_pad_nd.default, Rule(constant_pad_rule, constant_pad_localize), replace=True)
     for packet in (aten.tril, aten.triu, aten.tril_, aten.triu_):
         add_all(registry, packet, Rule(triangle_rule, triangle_localize))
 
@@ -303,15 +303,46 @@ def roll_rule(call):
 
 
 def constant_pad_rule(call):
-    """constant_pad_nd (F.pad; SDPA pads bool masks on CUDA): the dims it pads or crops stay
-    whole, the others may be sharded. Every rank pads with ``value``, so Partial avg/max/min
-    stay valid, and Partial sum too when the value is zero."""
+    """constant_pad_nd (F.pad; SDPA pads bool masks on CUDA): a dim padded or cropped at its end
+    only may stay sharded (each rank pads or crops its own shard, see
+    :func:`constant_pad_localize`); other changed dims stay whole, the rest may be sharded.
+    Every rank pads with ``value``, so Partial avg/max/min stay valid, and Partial sum too when
+    the value is zero."""
     x = call.inputs[0]
     pad = list(call.args[1])
     value = call.args[2] if len(call.args) > 2 else call.kwargs.get("value", 0)
     changed = {x.ndim - 1 - i // 2 for i, p in enumerate(pad) if p != 0}
     partials = ALL_PARTIALS if value == 0 else tuple(p for p in ALL_PARTIALS if p.reduce_op != "sum")
-    return dim_map_strategies(call, {d: d for d in range(x.ndim) if d not in changed}, partials=partials)
+    kept = {d: d for d in range(x.ndim) if d not in changed or _end_only(pad, x.ndim, d)}
+    return dim_map_strategies(call, kept, partials=partials)
+
+
+def _end_only(pad, ndim: int, d: int) -> bool:
+    i = 2 * (ndim - 1 - d)
+    return i + 1 < len(pad) and pad[i] == 0
+
+
+def constant_pad_localize(local):
+    """Each rank pads (or crops) the end of its shard of an end-padded dim to its output region,
+    where that is exact: the longer tensor's region, cut where the shorter one ends, must be the
+    shorter one's region (torch.chunk's layout of a padded length usually is); otherwise
+    ``NotLocal``, and the dim is gathered instead."""
+    args = list(local.args)
+    pad = list(args[1])
+    x_spec, out_spec = local.in_specs[0], local.out_specs[0]
+    ndim = len(x_spec.shape)
+    for d in range(ndim):
+        if not _end_only(pad, ndim, d) or pad[2 * (ndim - 1 - d) + 1] == 0:
+            continue
+        (i_off, i_len), (o_off, o_len) = local.in_regions[0][d], local.out_regions[0][d]
+        shorter, longer = ((i_off, i_len), (o_off, o_len)) if o_len >= i_len else ((o_off, o_len), (i_off, i_len))
+        end = min(x_spec.shape[d], out_spec.shape[d])
+        cut = (longer[0], max(0, min(longer[0] + longer[1], end) - longer[0]))
+        if cut != shorter and (cut[1] or shorter[1]):
+            raise NotLocal
+        pad[2 * (ndim - 1 - d) + 1] = o_len - i_len
+    args[1] = pad
+    return tuple(args), local.kwargs
 
 
 def triangle_rule(call):
