@@ -33,11 +33,11 @@ export PYTHONPATH=/tmp/plug:/tmp/site:$REPO
 NATIVE_PID=$!
 cd /tmp || exit 1  # not the checkout's root: its plugins/ folder is no package to import
 python3 -c "import torch, diffusers, transformers, dtorch_core, dtorch_hf; print('torch', torch.__version__, \
-'diffusers', diffusers.__version__, 'transformers', transformers.__version__)" || exit 1
+'diffusers', diffusers.__version__, 'transformers', transformers.__version__, 'dtorch_core at', dtorch_core.__file__)" || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 
 stamp "1. profile (thread runner)"
-timeout -k 10 ${PROFILE_LIMIT:-240} python3 "$BENCH" --runner thread --profile --top 12 --warmup 4 --rounds 1 --iters 3 \
+timeout -k 10 ${PROFILE_LIMIT:-200} python3 "$BENCH" --runner thread --profile --top 12 --warmup 4 --rounds 1 --iters 3 \
   --json "$OUT/profile.json" "$@" > "$OUT/profile.log" 2>&1; echo "rc=$?"
 grep -vE "^ +[0-9]+ +[0-9.]+ +[0-9.]+ " "$OUT/profile.log" | head -n 120
 
@@ -47,6 +47,6 @@ cp /tmp/core/dtorch_core/_native*.so "$REPO/dtorch_core/" 2>/dev/null || echo "n
 python3 -m dtorch_core.cli info 2>&1 | grep -iE "native|channel" | head -3
 
 stamp "2. timed run (process runner)"
-timeout -k 10 ${TIME_LIMIT:-300} python3 "$BENCH" --runner process --json "$OUT/timed.json" "$@" 2>&1 | tee "$OUT/timed.log"
+timeout -k 10 ${TIME_LIMIT:-240} python3 "$BENCH" --runner process --json "$OUT/timed.json" "$@" 2>&1 | tee "$OUT/timed.log"
 echo "rc=${PIPESTATUS[0]}"
 stamp done
