@@ -1,4 +1,5 @@
-"""The hook implementations of dtorch_hf (its entry point ``hf``): the families it serves."""
+"""The hook implementations of dtorch_hf (its entry point ``hf``): the families it serves, and
+the worker kernel that ``from_pretrained`` reads weights with."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dtorch_core import hookimpl
 from .families.flux import FLUX_FAMILY
 from .families.sd3 import SD3_FAMILY
 from .families.t5 import T5_FAMILY
+from .weights_kernel import register as register_weights_kernel
 
 
 @hookimpl
@@ -14,3 +16,8 @@ def dtorch_register_model_families(registry) -> None:
     registry.add(T5_FAMILY.name, T5_FAMILY)
     registry.add(FLUX_FAMILY.name, FLUX_FAMILY)
     registry.add(SD3_FAMILY.name, SD3_FAMILY)
+
+
+@hookimpl
+def dtorch_register_kernels(registry) -> None:
+    register_weights_kernel(registry)
