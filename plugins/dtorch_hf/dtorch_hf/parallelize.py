@@ -16,6 +16,7 @@ from .batch import split_batch_on_entry
 from .errors import UnsupportedMeshDimError
 from .lookup import family_for
 from .mesh_dims import read_mesh_dims
+from .ring import set_sp_mode
 from .styles import apply_style
 
 log = structlog.get_logger(__name__)
@@ -52,6 +53,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sp_mode: str = "ulysses",
             f"serves {list(family.sp_modes)}); pass sp_mode={family.sp_modes[0]!r}" if family.sp_modes else
             f"{type(model).__name__} has no sequence-parallel mode")
     chosen = family.tp_plan(model) if plan is None else plan
+    set_sp_mode(model, sp_mode)  # the families' attention processors read it (ring.py)
     if chosen and "tp" not in dims.index:
         if plan is not None:
             raise UnsupportedMeshDimError(

@@ -1,14 +1,12 @@
 """Helpers of the dtorch_hf tests: tiny random T5 configurations (built here, nothing is
 downloaded), the test meshes, the relative error, and for the diffusion transformers a record
-of the sequence <-> head moves and the refusal checks."""
+of the sequence <-> head moves."""
 
 from __future__ import annotations
 
-import pytest
 from transformers import T5Config
 
 import dtorch_core as dt
-import dtorch_hf
 
 # "even": 4 heads and d_ff 64 divide tp 2 and 4, gated-GELU (wi_0/wi_1).
 # "uneven": 5 heads (tp 2: 3+2 heads; tp 4: 2+2+1+0, torch.chunk's layout) and d_ff 37, relu (wi).
@@ -68,10 +66,3 @@ def record_moves(monkeypatch, family_module) -> list:
 
     monkeypatch.setattr(family_module, "_move", spy)
     return moves
-
-
-def assert_refuses_ring(model_class, saved) -> None:
-    """``sp_mode="ring"`` raises, saying it is not supported yet."""
-    mesh = dt.init_device_mesh("cpu", (4,), mesh_dim_names=("sp",))
-    with pytest.raises(dtorch_hf.UnsupportedMeshDimError, match="sp_mode='ring' is not supported"):
-        dtorch_hf.parallelize(model_class.from_pretrained(saved), mesh, sp_mode="ring")

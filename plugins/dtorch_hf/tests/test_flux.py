@@ -15,7 +15,7 @@ from diffusers.utils import logging as diffusers_logging  # noqa: E402
 
 from dtorch_hf.families import flux as flux_family  # noqa: E402
 from hf_testing import (  # noqa: E402
-    TRANSFORMER_MESHES, assert_refuses_ring, make_transformer_mesh, record_moves, rel_err)
+    TRANSFORMER_MESHES, make_transformer_mesh, record_moves, rel_err)
 
 # 1 double-stream + 1 single-stream block, 4 heads of 16, RoPE axes 4+6+6 = head_dim
 CONFIG = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
@@ -75,7 +75,3 @@ def test_forward_matches(session, saved, monkeypatch, mesh_name, case):
     elif "sp" not in mesh_name:
         assert not moves
     assert not dt.fallback_counts(), dt.fallback_counts()
-
-
-def test_refuses_ring(session, saved):
-    assert_refuses_ring(FluxTransformer2DModel, saved)

@@ -15,7 +15,7 @@ from diffusers.utils import logging as diffusers_logging  # noqa: E402
 
 from dtorch_hf.families import sd3 as sd3_family  # noqa: E402
 from hf_testing import (  # noqa: E402
-    TRANSFORMER_MESHES, assert_refuses_ring, make_transformer_mesh, record_moves, rel_err)
+    TRANSFORMER_MESHES, make_transformer_mesh, record_moves, rel_err)
 
 # 2 joint blocks (the last context_pre_only), 4 heads of 8 (caption_projection_dim = heads x
 # head_dim, the joint attention's width), RMSNorm q/k norms, block 0 with SD3.5's second attention
@@ -88,7 +88,3 @@ def test_plan_follows_context_pre_only(saved):
     assert "transformer_blocks.1.attn.to_add_out" not in plan
     assert not any(k.startswith("transformer_blocks.1.ff_context") for k in plan)
     assert "transformer_blocks.1.attn.add_q_proj" in plan and "transformer_blocks.0.attn2.to_q" in plan
-
-
-def test_refuses_ring(session, saved):
-    assert_refuses_ring(SD3Transformer2DModel, saved)

@@ -36,6 +36,7 @@ from dtorch_core.placement import Replicate, Shard
 
 from ..batch import lay_out
 from ..family import ModelFamily
+from ..ring import ring_attention, ring_mesh_dim
 
 # the inputs with a batch dim, split over "cfg" and "dp" where they enter the model
 BATCH_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance")
@@ -69,7 +70,9 @@ def _heads(attn, x):
 class DtorchFluxAttnProcessor:
     """diffusers' FluxAttnProcessor (non-fused projections, no IP adapter), with Ulysses: q, k
     and v go from sequence shards to head shards before the joint attention, and its output
-    back to sequence shards. Without an "sp" dim it is FluxAttnProcessor itself."""
+    back to sequence shards. With sp_mode="ring" the streams stay on their sequence shards and
+    attention runs as ring attention (dtorch_hf/ring.py). Without an "sp" dim it is
+    FluxAttnProcessor itself."""
 
     _attention_backend = None
     _parallel_config = None
@@ -81,6 +84,9 @@ class DtorchFluxAttnProcessor:
         query = attn.norm_q(_heads(attn, attn.to_q(hidden_states)))
         key = attn.norm_k(_heads(attn, attn.to_k(hidden_states)))
         value = _heads(attn, attn.to_v(hidden_states))
+        ring_dim = ring_mesh_dim(attn, query)
+        if ring_dim is not None and attention_mask is None:
+            return _ring_flux(attn, query, key, value, encoder_hidden_states, image_rotary_emb, ring_dim)
         # which streams were sequence-sharded (restored after attention)
         img_seq = bool(_sp_dims(query)) and Shard(SEQ) in query.placements
         query, key, value = (_move(t, SEQ, HEADS) for t in (query, key, value))
@@ -118,6 +124,34 @@ class DtorchFluxAttnProcessor:
         out = attn.to_out[1](attn.to_out[0](out.flatten(2, 3).to(dtype).contiguous()))
         enc = attn.to_add_out(enc.flatten(2, 3).to(dtype).contiguous())
         return out, enc
+
+
+def _ring_flux(attn, query, key, value, encoder_hidden_states, image_rotary_emb, ring_dim):
+    """FluxAttnProcessor's attention as ring attention: each stream stays on its sequence shards
+    (RoPE applied per stream with its part of the joint sequence's rotary table: text first)."""
+    streams = [(query, key, value)]
+    if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
+        eq = attn.norm_added_q(_heads(attn, attn.add_q_proj(encoder_hidden_states)))
+        ek = attn.norm_added_k(_heads(attn, attn.add_k_proj(encoder_hidden_states)))
+        ev = _heads(attn, attn.add_v_proj(encoder_hidden_states))
+        streams.insert(0, (eq, ek, ev))
+    if image_rotary_emb is not None:
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        start, rotated = 0, []
+        for q, k, v in streams:
+            part = tuple(t[start:start + q.shape[SEQ]] for t in image_rotary_emb)
+            start += q.shape[SEQ]
+            rotated.append((apply_rotary_emb(q, part, sequence_dim=1), apply_rotary_emb(k, part, sequence_dim=1), v))
+        streams = rotated
+    outs = ring_attention(*(list(ts) for ts in zip(*streams)), ring_dim)
+    dtype = query.dtype
+    if len(outs) == 1:
+        return outs[0].flatten(2, 3).to(dtype)
+    enc, out = outs
+    out = attn.to_out[1](attn.to_out[0](out.flatten(2, 3).to(dtype).contiguous()))
+    enc = attn.to_add_out(enc.flatten(2, 3).to(dtype).contiguous())
+    return out, enc
 
 
 def _sequence_shard_inputs(model):
@@ -208,5 +242,5 @@ FLUX_FAMILY = ModelFamily(
     dims=frozenset({"tp", "sp", "cfg", "dp"}),
     tp_plan=flux_tp_plan,
     batch_kwargs=BATCH_INPUTS,
-    sp_modes=("ulysses",),
+    sp_modes=("ulysses", "ring"),
 )

@@ -34,6 +34,7 @@ from dtorch_core.placement import Replicate, Shard
 
 from ..batch import lay_out
 from ..family import ModelFamily
+from ..ring import ring_attention, ring_mesh_dim
 from .flux import HEADS, SEQ, _move, _sp_dims
 
 # the inputs with a batch dim, split over "cfg" and "dp" where they enter the model
@@ -53,7 +54,8 @@ def _norm(norm, x):
 class DtorchSD3AttnProcessor:
     """diffusers' JointAttnProcessor2_0 (non-fused projections, no IP adapter, no mask), with
     Ulysses: q, k and v go from sequence shards to head shards before the joint attention, and
-    each stream's output back to sequence shards. Without an "sp" dim it is JointAttnProcessor2_0
+    each stream's output back to sequence shards; with sp_mode="ring", ring attention on the
+    sequence shards instead (dtorch_hf/ring.py). Without an "sp" dim it is JointAttnProcessor2_0
     itself (computed in the (batch, seq, heads, head_dim) layout)."""
 
     _attention_backend = None
@@ -68,6 +70,9 @@ class DtorchSD3AttnProcessor:
         query = _norm(attn.norm_q, _heads(attn, attn.to_q(hidden_states)))
         key = _norm(attn.norm_k, _heads(attn, attn.to_k(hidden_states)))
         value = _heads(attn, attn.to_v(hidden_states))
+        ring_dim = ring_mesh_dim(attn, query)
+        if ring_dim is not None:
+            return _ring_sd3(attn, query, key, value, encoder_hidden_states, ring_dim)
         img_seq = bool(_sp_dims(query)) and Shard(SEQ) in query.placements
         query, key, value = (_move(t, SEQ, HEADS) for t in (query, key, value))
         img_len = query.shape[1]
@@ -99,6 +104,24 @@ class DtorchSD3AttnProcessor:
             out = _move(out, HEADS, SEQ)
         out = attn.to_out[1](attn.to_out[0](out.flatten(2, 3).to(dtype).contiguous()))
         return out if enc is None else (out, enc)
+
+
+def _ring_sd3(attn, query, key, value, encoder_hidden_states, ring_dim):
+    """JointAttnProcessor2_0's attention as ring attention: each stream stays on its sequence
+    shards, the image and text streams attend jointly."""
+    streams = [(query, key, value)]
+    if encoder_hidden_states is not None:
+        eq = _norm(attn.norm_added_q, _heads(attn, attn.add_q_proj(encoder_hidden_states)))
+        ek = _norm(attn.norm_added_k, _heads(attn, attn.add_k_proj(encoder_hidden_states)))
+        ev = _heads(attn, attn.add_v_proj(encoder_hidden_states))
+        streams.append((eq, ek, ev))
+    outs = ring_attention(*(list(ts) for ts in zip(*streams)), ring_dim)
+    dtype = query.dtype
+    out = attn.to_out[1](attn.to_out[0](outs[0].flatten(2, 3).to(dtype).contiguous()))
+    if encoder_hidden_states is None:
+        return out
+    enc = outs[1].flatten(2, 3).to(dtype).contiguous()
+    return out, (enc if attn.context_pre_only else attn.to_add_out(enc))
 
 
 def _sp_dim_of(model):
@@ -178,5 +201,5 @@ SD3_FAMILY = ModelFamily(
     dims=frozenset({"tp", "sp", "cfg", "dp"}),
     tp_plan=sd3_tp_plan,
     batch_kwargs=BATCH_INPUTS,
-    sp_modes=("ulysses",),
+    sp_modes=("ulysses", "ring"),
 )

@@ -1,0 +1,165 @@
+"""Ring attention over the "sp" mesh dim: exact joint attention of sequence-sharded streams
+without any rank holding the whole sequence's keys and values.
+
+Every stream (Flux/SD3: text and image, or one joint stream) arrives as (batch, seq, heads,
+head_dim) sharded on the sequence over the sp mesh dim, uneven lengths allowed (torch.chunk's
+layout). Each stream is padded at its end to ``n * ceil(seq / n)`` (each rank pads its own shard:
+no data moves, see dtorch_core's constant_pad rule), and laid out as ``n`` blocks along a leading
+dim: rank i holds block i, the streams' blocks side by side, in the (batch, heads, tokens,
+head_dim) layout of the attention kernels with block and batch as one leading dim. Then ``n``
+steps: each rank attends its query block to the key/value block it holds (the CPU flash kernel,
+which returns the log-sum-exp), merges the partial output with the running one through the
+log-sum-exp (online softmax, in fp32), and the key/value blocks move one rank round the ring (a
+``torch.roll`` by one block, which dtorch_core plans as one ``shift`` collective: each rank sends
+one block to its neighbour and receives one). Padded keys are masked with an additive bias;
+padded queries are cropped at the end. Keys and values are never gathered.
+
+Backward (:class:`_RingAttention`) is the ring again: the key/value blocks travel with their
+gradient accumulators, each step adds the flash kernel's gradient of the local queries against
+the visiting block (computed from the final output and log-sum-exp, so each block's share is
+exact), and after ``n`` steps the accumulators are home.
+
+Heads split over "tp" stay split: the block layout keeps the heads dim, and every kernel runs on
+the local heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import dtorch_core as dt
+from dtorch_core.placement import Replicate, Shard, chunk_extent
+
+aten = torch.ops.aten
+SP_MODE_ATTR = "dtorch_sp_mode"
+SEQ = 1  # (batch, sequence, heads, head_dim): diffusers' attention layout
+
+
+def set_sp_mode(model, sp_mode: str) -> None:
+    """Tell the attention modules of ``model`` (those with a diffusers ``processor``) which
+    sequence-parallel mode ``dtorch_hf.parallelize`` chose; the families' processors read it."""
+    for module in model.modules():
+        if hasattr(module, "processor"):
+            setattr(module, SP_MODE_ATTR, sp_mode)
+
+
+def ring_mesh_dim(attn, query) -> int | None:
+    """The mesh dim the ring runs over: ``query``'s "sp" dim that shards its sequence, when
+    ``attn`` was parallelized with sp_mode="ring"; else None (the caller runs Ulysses or plain
+    attention)."""
+    if getattr(attn, SP_MODE_ATTR, "ulysses") != "ring" or not isinstance(query, dt.DTensor):
+        return None
+    names = query.device_mesh.mesh_dim_names or ()
+    for i, name in enumerate(names):
+        if name == "sp" and query.device_mesh.size(i) > 1 and query.placements[i] == Shard(SEQ):
+            return i
+    return None
+
+
+def ring_attention(queries, keys, values, mesh_dim: int, scale: float | None = None) -> list:
+    """Joint attention of the streams (lists of (batch, seq, heads, head_dim) tensors, one per
+    stream, each sequence-sharded on ``mesh_dim``): the queries of every stream attend to the
+    keys of all of them. Returns one output per stream, laid out as its queries."""
+    mesh = queries[0].device_mesh
+    if queries[0].device.type != "cpu":
+        raise NotImplementedError(
+            "dtorch_hf's ring attention runs the CPU flash kernel so far (it needs the log-sum-exp); "
+            "use sp_mode='ulysses' on GPUs")
+    n = mesh.size(mesh_dim)
+    batch = queries[0].shape[0]
+    lengths = [q.shape[SEQ] for q in queries]
+    blocks = [-(-s // n) for s in lengths]
+    q, k, v = (torch.cat([_to_blocks(t, n) for t in ts], dim=3).flatten(0, 1) for ts in (queries, keys, values))
+    biases = _key_biases(lengths, blocks, n, batch, q.dtype, mesh, mesh_dim, q.placements)
+    out = _RingAttention.apply(q, k, v, biases, batch, scale)
+    outs = out.unflatten(0, (n, batch)).split(blocks, dim=3)
+    return [_from_blocks(o, s) for o, s in zip(outs, lengths)]
+
+
+def _to_blocks(x, n: int):
+    """(batch, seq, heads, dim) -> (n, batch, heads, ceil(seq / n), dim): block i is shard i."""
+    length = x.shape[SEQ]
+    padded = n * -(-length // n)
+    x = F.pad(x, (0, 0, 0, 0, 0, padded - length))
+    return x.unflatten(SEQ, (n, padded // n)).permute(1, 0, 3, 2, 4)
+
+
+def _from_blocks(x, length: int):
+    """The inverse of :func:`_to_blocks`."""
+    x = x.permute(1, 0, 3, 2, 4).flatten(1, 2)
+    return F.pad(x, (0, 0, 0, 0, 0, length - x.shape[SEQ]))
+
+
+def _key_biases(lengths, blocks, n, batch, dtype, mesh, mesh_dim, placements) -> list | None:
+    """Per ring step, the additive key bias (n * batch, 1, 1, keys) of the key blocks each rank
+    holds then (0 on real keys, the dtype's minimum on padding; finite, so a block of padding
+    alone gives a log-sum-exp that the merge weighs to zero); None where nothing is padded."""
+    valid = torch.cat([
+        torch.stack([torch.arange(b) < chunk_extent(s, n, i).length for i in range(n)])
+        for s, b in zip(lengths, blocks)], dim=1)
+    if bool(valid.all()):
+        return None
+    bias = torch.zeros(valid.shape, dtype=dtype).masked_fill(~valid, torch.finfo(dtype).min)
+    where = [Replicate()] * mesh.ndim
+    where[mesh_dim] = Shard(0)
+    out = []
+    for step in range(n):
+        rolled = bias.roll(-step, 0)  # rank i holds block i + step
+        full = rolled[:, None, None, None, :].expand(n, batch, 1, 1, bias.shape[1]).flatten(0, 1).contiguous()
+        out.append(dt.distribute_tensor(full, mesh, where))
+    return out
+
+
+def _pass_on(x, batch: int):
+    """``x`` (blocks along dim 1, one per rank) with every rank holding its neighbour's block
+    (rank i gets rank i + 1's): one shift."""
+    return torch.roll(x, -batch, 1)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Attention of query blocks (n * batch, heads, L, dim) against every key/value block,
+    passed round the ring; forward and backward as the module docstring says."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, biases, batch, scale):
+        n = q.shape[0] // batch
+        kv = torch.stack([k, v])
+        out = lse = None
+        for step in range(n):
+            bias = None if biases is None else biases[step]
+            part, part_lse = aten._scaled_dot_product_flash_attention_for_cpu(
+                q, kv[0], kv[1], 0.0, False, attn_mask=bias, scale=scale)
+            part = part.float()
+            if out is None:
+                out, lse = part, part_lse
+            else:
+                merged = torch.logaddexp(lse, part_lse)
+                out = out * torch.exp(lse - merged).unsqueeze(-1) + part * torch.exp(part_lse - merged).unsqueeze(-1)
+                lse = merged
+            if step < n - 1:
+                kv = _pass_on(kv, batch)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.biases, ctx.batch, ctx.scale = biases, batch, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        batch = ctx.batch
+        n = q.shape[0] // batch
+        kv = torch.stack([k, v])
+        grad_kv = torch.zeros_like(kv, dtype=torch.float32)
+        grad_q = None
+        grad_out = grad_out.contiguous()
+        for step in range(n):
+            bias = None if ctx.biases is None else ctx.biases[step]
+            gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out, q, kv[0], kv[1], out, lse, 0.0, False, attn_mask=bias, scale=ctx.scale)
+            grad_q = gq.float() if grad_q is None else grad_q + gq.float()
+            grad_kv = grad_kv + torch.stack([gk, gv]).float()
+            if step < n - 1:
+                kv = _pass_on(kv, batch)
+            grad_kv = _pass_on(grad_kv, batch)  # the last pass brings each block's gradient home
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
