@@ -1,4 +1,5 @@
-"""Greedy generation with a T5 model tensor-parallel on a dtorch mesh, checked against the same
+"""Greedy generation with a T5 model tensor-parallel on a dtorch mesh (loaded by
+``dtorch_hf.from_pretrained``: the weights read straight into shards), checked against the same
 model on one device.
 
     python examples/t5_generate.py --tiny                   # a tiny random T5, runs anywhere
@@ -52,17 +53,16 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     args = parser.parse_args()
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = tiny_model_dir(tmp) if args.tiny else args.model_dir
-        batch, tokenizer = inputs(model_dir, args.prompt, args.tiny)
-        ref = T5ForConditionalGeneration.from_pretrained(model_dir).eval()
-        model = T5ForConditionalGeneration.from_pretrained(model_dir).eval()
-
     dt.init(world_size=args.tp * args.dp, runner=args.runner)
     dims = [(n, name) for n, name in ((args.tp, "tp"), (args.dp, "dp")) if n > 1] or [(1, "tp")]
     shape, names = tuple(n for n, _ in dims), tuple(name for _, name in dims)
     mesh = dt.init_device_mesh("cpu", shape, mesh_dim_names=names)
-    dtorch_hf.parallelize(model, mesh)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = tiny_model_dir(tmp) if args.tiny else args.model_dir
+        batch, tokenizer = inputs(model_dir, args.prompt, args.tiny)
+        ref = T5ForConditionalGeneration.from_pretrained(model_dir).eval()
+        # built on the meta device; each worker reads its own shards of the weights
+        model = dtorch_hf.from_pretrained(model_dir, mesh=mesh)
 
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     start = time.perf_counter()

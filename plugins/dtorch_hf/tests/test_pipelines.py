@@ -114,7 +114,7 @@ def test_bfloat16_pipeline(session, saved):
     # bf16 shards read from fp32 files; against diffusers' torch_dtype=bfloat16 load (the sums
     # run in another order on shards, so bf16 rounding differs: a loose bound)
     pipe = dtorch_hf.from_pretrained(saved["flux"], mesh=_mesh("tp2xsp2"), torch_dtype=torch.bfloat16)
-    ref = DiffusionPipeline.from_pretrained(saved["flux"], torch_dtype=torch.bfloat16)
+    ref = DiffusionPipeline.from_pretrained(saved["flux"], dtype=torch.bfloat16)
     for name in ("transformer", "text_encoder", "text_encoder_2", "vae"):
         got = {n: p.dtype for n, p in getattr(pipe, name).named_parameters()}
         assert got == {n: p.dtype for n, p in getattr(ref, name).named_parameters()}, name
