@@ -17,7 +17,6 @@ shards on the workers: the controller never holds a weight.
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import os
 import time
@@ -133,24 +132,15 @@ def _cast_on_meta(model: nn.Module, torch_dtype) -> None:
 
 def place_on_mesh(model: nn.Module, mesh: DeviceMesh, sp_mode: str) -> str:
     """Lay ``model`` out on ``mesh``: its family's plan over the dims it uses, replicated over the
-    others; a model no family serves is replicated. Returns how (the family's name, or
-    "replicated")."""
+    others (a pipeline's text encoders and VAE on the transformer's mesh); a model no family
+    serves is replicated. Returns how (the family's name, or "replicated")."""
     try:
         family = family_for(model)
     except UnknownModelError:
         replicate_rest(model, mesh)
         return "replicated"
-    names = set(mesh.mesh_dim_names or ())
-    kwargs = {"sp_mode": sp_mode if (family.sp_modes and "sp" in names and "sp" in family.dims) else "ulysses"}
-    if names <= family.dims:
-        parallelize(model, mesh, **kwargs)
-        return family.name
-    if "unused_dims" in inspect.signature(parallelize).parameters:
-        parallelize(model, mesh, unused_dims="replicate", **kwargs)
-        return family.name
-    # a dtorch_hf without unused_dims: the family would refuse the mesh, so replicate
-    replicate_rest(model, mesh)
-    return "replicated"
+    parallelize(model, mesh, sp_mode=sp_mode, unused_dims="replicate")
+    return family.name
 
 
 def _slots(model: nn.Module) -> dict:

@@ -1,6 +1,7 @@
 """SD3 and Flux pipelines loaded through ``dtorch_hf.from_pretrained`` onto a mesh: a 2-step
 generation equals diffusers' single-device pipeline of the same directory, with the same
-generator, on tp=4, sp=4, tp=2 x sp=2 and cfg=2 x sp=2, both runners. The tiny random
+generator, on tp=4, sp=4, tp=2 x sp=2 (Ulysses and ring attention) and cfg=2 x sp=2, both
+runners. The tiny random
 pipelines (every component of the real ones) are saved with ``save_pretrained``; nothing is
 downloaded."""
 
@@ -25,7 +26,7 @@ CALL = dict(num_inference_steps=2, height=20, width=24, max_sequence_length=tiny
 # its true CFG (a negative prompt and true_cfg_scale > 1) so that "cfg" has something to split
 EXTRA = {"sd3": {}, "flux": {"negative_prompt": "a dog", "true_cfg_scale": 2.0}}
 MESHES = {"tp4": ((4,), ("tp",)), "sp4": ((4,), ("sp",)), "tp2xsp2": ((2, 2), ("tp", "sp")),
-          "cfg2xsp2": ((2, 2), ("cfg", "sp"))}
+          "cfg2xsp2": ((2, 2), ("cfg", "sp")), "tp2xsp2-ring": ((2, 2), ("tp", "sp"))}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,8 @@ def _check_layout(pipe, mesh_name):
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
 @pytest.mark.parametrize("kind", sorted(tiny_pipelines.PIPELINES))
 def test_generation_equals_single_device(session, saved, reference, kind, mesh_name):
-    pipe = dtorch_hf.from_pretrained(saved[kind], mesh=_mesh(mesh_name))
+    sp_mode = "ring" if mesh_name.endswith("-ring") else "ulysses"
+    pipe = dtorch_hf.from_pretrained(saved[kind], mesh=_mesh(mesh_name), sp_mode=sp_mode)
     assert type(pipe).__name__ == tiny_pipelines.describe(saved[kind])["_class_name"]
     _check_layout(pipe, mesh_name)
     seen = []
