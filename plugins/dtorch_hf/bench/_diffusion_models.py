@@ -48,8 +48,6 @@ MODELS = ("flux", "sd3")
 # image latent side (in latent pixels, before patching) and text tokens
 TOKENS = {"flux": {"latent": 128, "text": 512}, "sd3": {"latent": 128, "text": 333}}
 TINY_TOKENS = {"flux": {"latent": 16, "text": 16}, "sd3": {"latent": 16, "text": 12}}
-# the inputs dtorch_hf's Flux family shards on the sequence ("sp"), as its entry hook would
-SEQUENCE_SHARDED = {"flux": ("hidden_states", "encoder_hidden_states"), "sd3": ()}
 
 
 def model_class(name: str):
@@ -150,20 +148,13 @@ def build_dtorch(name: str, cfg: dict, dtype, mesh, sp_mode: str) -> torch.nn.Mo
     return model
 
 
-def place_inputs(name: str, inputs: dict, mesh) -> dict:
+def place_inputs(inputs: dict, mesh) -> dict:
     """The inputs on the mesh before the timed steps (a pipeline's latents and text embeddings
-    live on the devices between steps): replicated, and sequence-sharded on "sp" where the
-    family's entry hook would shard them."""
+    live on the devices between steps), replicated: the family's entry hooks lay them out over
+    "sp", "cfg" and "dp" (from a replicated DTensor that is a local slice on each worker)."""
     import dtorch_core as dt
 
-    names = mesh.mesh_dim_names or ()
-    out = {}
-    for key, value in inputs.items():
-        placements = [dt.Replicate()] * mesh.ndim
-        if key in SEQUENCE_SHARDED[name] and "sp" in names:
-            placements[names.index("sp")] = dt.Shard(1)
-        out[key] = dt.distribute_tensor(value, mesh, placements)
-    return out
+    return {k: dt.distribute_tensor(v, mesh, [dt.Replicate()] * mesh.ndim) for k, v in inputs.items()}
 
 
 @torch.no_grad()

@@ -4,7 +4,9 @@
 # diffusers models do not need it), then
 #   1. a profiled run with the thread runner (the profiler sees the worker's kernels in this
 #      process), while dtorch-core's native channel builds in the background;
-#   2. the timed run with the process runner (the headline figures), native channel if it built.
+#   2. the timed run with the process runner (the headline figures), native channel if it built,
+#      then (after the timing) a cProfile of the controller issuing one eager step and the aten
+#      ops it plans (no worker thread competes for the GIL there).
 # Logs and JSON under $OUT. From the checkout's root, with the wheels of structlog, diffusers
 # 0.42.1 and importlib_metadata in .whl/:
 #   device run, carry [".whl"]:  bash plugins/dtorch_hf/bench/gpu_hf_models.sh [extra hf_models.py options]
@@ -39,7 +41,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 stamp "1. profile (thread runner)"
 timeout -k 10 ${PROFILE_LIMIT:-200} python3 "$BENCH" --runner thread --profile --top 12 --warmup 4 --rounds 1 --iters 3 \
   --json "$OUT/profile.json" "$@" > "$OUT/profile.log" 2>&1; echo "rc=$?"
-grep -vE "^ +[0-9]+ +[0-9.]+ +[0-9.]+ " "$OUT/profile.log" | head -n 120
+grep -vE "^ +[0-9/]+ +[0-9.]+ +[0-9.]+ " "$OUT/profile.log" | head -n 150  # the cProfile tables: in the log
 
 stamp "native channel"
 wait $NATIVE_PID
@@ -47,6 +49,6 @@ cp /tmp/core/dtorch_core/_native*.so "$REPO/dtorch_core/" 2>/dev/null || echo "n
 python3 -m dtorch_core.cli info 2>&1 | grep -iE "native|channel" | head -3
 
 stamp "2. timed run (process runner)"
-timeout -k 10 ${TIME_LIMIT:-240} python3 "$BENCH" --runner process --json "$OUT/timed.json" "$@" 2>&1 | tee "$OUT/timed.log"
+timeout -k 10 ${TIME_LIMIT:-240} python3 "$BENCH" --runner process --profile --top 12 --json "$OUT/timed.json" "$@" 2>&1 | tee "$OUT/timed.log"
 echo "rc=${PIPESTATUS[0]}"
 stamp done

@@ -2,7 +2,7 @@
 
     python plugins/dtorch_hf/bench/hf_models.py [--models flux,sd3] [--sizes full,cut] [--tiny]
         [--device cuda] [--dtype bf16] [--runner process] [--world-size N] [--mesh tp=2,sp=2]
-        [--sp-mode ulysses|ring] [--batch 1] [--text-tokens T] [--warmup 5] [--iters 5] [--rounds 3]
+        [--sp-mode ulysses|ring] [--batch 1] [--cfg] [--text-tokens T] [--warmup 5] [--iters 5] [--rounds 3]
         [--check] [--profile] [--top 12] [--json out.json]
 
 A step is one transformer forward (inference, ``torch.no_grad()``) at 1024x1024 (4096 image
@@ -32,14 +32,10 @@ eager step.
 from __future__ import annotations
 
 import argparse
-import collections
-import cProfile
 import datetime
 import gc
-import io
 import json
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -49,6 +45,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _diffusion_models as models
+import _profiling
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TARGETS = {"eager": 1.03, "replay": 1.0}
@@ -68,7 +65,7 @@ def parse_mesh(text: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 
 def first_line(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:1000] if str(exc) else ''}"
 
 
 class Side:
@@ -112,59 +109,8 @@ def rel_err(got, want) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
 
 
-def profile_side(side, top_names: bool) -> dict:
-    """Kernels of one step of ``side`` (count, summed GPU time) against its wall time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    side.sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        wall = side.step()
-    names: collections.Counter = collections.Counter()
-    gpu_us = collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            names[e.name] += 1
-            gpu_us[e.name] += e.device_time
-    total = sum(gpu_us.values()) / 1000
-    row = {"kernels": sum(names.values()), "gpu_ms": total, "wall_ms": 1000 * wall,
-           "gpu_busy": total / (1000 * wall) if wall else float("nan")}
-    if top_names:
-        row["names"], row["name_us"] = dict(names), dict(gpu_us)
-    return row
-
-
-def count_aten_ops(side) -> collections.Counter:
-    """The aten ops one step of ``side`` calls on this process's dispatcher (for dtorch: the ops
-    the controller plans; each becomes one or more instructions to the workers)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[str(func)] += 1
-            return func(*args, **(kwargs or {}))
-
-    side.sync()
-    with Count() as mode:
-        side.out = side.call()
-    side.sync()
-    return mode.ops
-
-
-def profile_controller(side, top: int) -> str:
-    """cProfile of the controller issuing one dtorch step (the call, not the synchronise)."""
-    side.sync()
-    prof = cProfile.Profile()
-    prof.enable()
-    side.out = side.call()
-    prof.disable()
-    side.sync()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
-    return text.getvalue()
+def runner_in_process(args) -> bool:
+    return args.runner in ("thread", "inline")
 
 
 def run_case(dt, args, name, size, mesh, dtype, device) -> dict:
@@ -175,42 +121,40 @@ def run_case(dt, args, name, size, mesh, dtype, device) -> dict:
     case = {"params": models.parameter_count(cfg, name), "image_tokens": models.image_tokens(toks),
             "text_tokens": toks["text"], "batch": args.batch, "config": cfg}
 
+    case["build_s"] = {}
+    try:
+        t0 = time.perf_counter()
+        dmodel = models.build_dtorch(name, cfg, dtype, mesh, args.sp_mode)
+        dinputs = models.place_inputs(inputs, mesh)
+        dt.synchronize()
+        case["build_s"]["dtorch"] = time.perf_counter() - t0
+    except Exception as exc:  # noqa: BLE001 - e.g. a mesh dim or sp mode the family refuses
+        case["error"] = f"dtorch_hf.parallelize: {first_line(exc)}"
+        return case
     t0 = time.perf_counter()
     anchor = models.build_diffusers(name, cfg, dtype, device)
     anchor_inputs = {k: v.to(device) for k, v in inputs.items()}
     sync_torch()
-    case["build_s"] = {"diffusers": time.perf_counter() - t0}
+    case["build_s"]["diffusers"] = time.perf_counter() - t0
 
     def anchor_step():
         with torch.no_grad():
             return anchor(**anchor_inputs, return_dict=False)[0]
 
-    sides = [Side("diffusers", anchor_step, sync_torch)]
-    dmodel = None
-    try:
-        t0 = time.perf_counter()
-        dmodel = models.build_dtorch(name, cfg, dtype, mesh, args.sp_mode)
-        dinputs = models.place_inputs(name, inputs, mesh)
-        dt.synchronize()
-        case["build_s"]["dtorch"] = time.perf_counter() - t0
-    except Exception as exc:  # noqa: BLE001 - e.g. a mesh dim or sp mode the family refuses
-        case["error"] = f"dtorch_hf.parallelize: {first_line(exc)}"
-    if dmodel is not None:
-        def forward(**kw):
-            with torch.no_grad():
-                return dmodel(**kw, return_dict=False)[0]
+    def forward(**kw):
+        with torch.no_grad():
+            return dmodel(**kw, return_dict=False)[0]
 
-        compiled = dt.compile(forward)
-        sides.append(Side("eager", lambda: forward(**dinputs), dt.synchronize))
-        sides.append(Side("replay", lambda: compiled(**dinputs), dt.synchronize))
-
+    compiled = dt.compile(forward)
+    sides = [Side("diffusers", anchor_step, sync_torch), Side("eager", lambda: forward(**dinputs), dt.synchronize),
+             Side("replay", lambda: compiled(**dinputs), dt.synchronize)]
     for side in sides:
         side.guarded(args.warmup, keep=False)
     gc.collect()
     for _ in range(args.rounds):
         for side in sides:
             side.guarded(args.iters, keep=True)
-    if dmodel is not None and sides[2].error is None and compiled.replays == 0:
+    if sides[2].error is None and compiled.replays == 0:
         sides[2].error = "never replayed: raise --warmup above 3 (dt.compile warms up once and records twice)"
 
     rows = {}
@@ -225,16 +169,13 @@ def run_case(dt, args, name, size, mesh, dtype, device) -> dict:
     case["rows"] = rows
     case["checks"] = checks(sides, anchor, dmodel, anchor_step, args, dtype)
     if args.profile and device == "cuda":
-        case["profile"] = {s.name: profile_side(s, args.top > 0) for s in sides if not s.error}
-    if args.profile and dmodel is not None and not sides[1].error:
-        case["controller_profile"] = profile_controller(sides[1], args.top or 15)
-        ops = {s.name: count_aten_ops(s) for s in sides[:2]}
-        case["aten_ops"] = {k: sum(v.values()) for k, v in ops.items()}
-        diff = [(k, ops["eager"][k], ops["diffusers"][k]) for k in set(ops["eager"]) | set(ops["diffusers"])
-                if ops["eager"][k] != ops["diffusers"][k]]
-        case["aten_op_diff"] = sorted(diff, key=lambda d: -abs(d[1] - d[2]))[:args.top or 15]
-    if dmodel is not None:
-        compiled.reset()  # the captured program's buffers on the workers go with it
+        # the dtorch sides' kernels are seen only where the workers run in this process
+        seen = [s for s in sides if not s.error and (s.name == "diffusers" or runner_in_process(args))]
+        case["profile"] = {s.name: _profiling.kernels(s, args.top > 0) for s in seen}
+    if args.profile and not sides[1].error:
+        case["controller_profile"] = _profiling.controller(sides[1], args.top or 15)
+        case["aten_ops"] = _profiling.aten_op_summary(sides[0], sides[1], args.top or 15)
+    compiled.reset()  # the captured program's buffers on the workers go with it
     return case
 
 
@@ -258,9 +199,9 @@ def checks(sides, anchor, dmodel, anchor_step, args, dtype) -> dict:
         got = side.out
         out[f"{side.name}_shape_equal"] = ref is not None and tuple(got.shape) == tuple(ref.shape)
         out[f"{side.name}_finite"] = bool(torch.isfinite(full(got)).all())
-    if all(not s.error and s.out is not None for s in sides[1:3]) and len(sides) == 3:
+    if all(not s.error and s.out is not None for s in sides[1:]):
         out["replay_vs_eager"] = rel_err(sides[2].out, sides[1].out)
-    if args.check and dmodel is not None and not sides[1].error:
+    if args.check and not sides[1].error:
         models.copy_weights(dmodel, anchor)
         out["dtorch_vs_diffusers"] = rel_err(sides[1].out, anchor_step())
         out["tolerance"] = 1e-4 if dtype == torch.float32 else 3e-2
@@ -310,31 +251,14 @@ def print_case(label, case, args) -> None:
         for side, p in prof.items():
             print(f"{'':17s} profile {side:9s}: {p['kernels']:6d} kernels, GPU {p['gpu_ms']:9.2f} ms of "
                   f"{p['wall_ms']:9.2f} ms wall ({100 * p['gpu_busy']:.0f}% busy)")
-        print_kernel_diff(prof, args.top)
+        _profiling.print_kernel_diff(prof, args.top, " " * 21)
     if "aten_ops" in case:
-        print(f"{'':17s} aten ops per step: " + ", ".join(f"{k} {v}" for k, v in case["aten_ops"].items())
-              + "; differing (eager vs diffusers): "
-              + ", ".join(f"{k} {a}/{b}" for k, a, b in case["aten_op_diff"]))
+        ops = case["aten_ops"]
+        print(f"{'':17s} aten ops per step: " + ", ".join(f"{k} {v}" for k, v in ops["counts"].items())
+              + "; differing (eager vs diffusers): " + ", ".join(f"{k} {a}/{b}" for k, a, b in ops["differing"]))
     if "controller_profile" in case:
-        print(f"{'':17s} controller, one eager step (cProfile, by own time):")
-        print("\n".join(line for line in case["controller_profile"].splitlines()[:args.top + 12] if line.strip()))
-
-
-def print_kernel_diff(prof, top) -> None:
-    base = prof.get("diffusers", {})
-    if not top or "names" not in base:
-        return
-    for side in ("eager", "replay"):
-        mine = prof.get(side, {})
-        if "names" not in mine:
-            continue
-        keys = set(mine["names"]) | set(base["names"])
-        diff = [(k, mine["names"].get(k, 0), base["names"].get(k, 0), mine["name_us"].get(k, 0.0)
-                 - base["name_us"].get(k, 0.0)) for k in keys]
-        diff = [d for d in diff if d[1] != d[2] or abs(d[3]) > 50]
-        diff.sort(key=lambda d: -abs(d[3]))
-        for k, n_mine, n_base, dus in diff[:top]:
-            print(f"{'':21s}{side} {n_mine:5d} vs {n_base:5d} kernels, {dus / 1000:+8.2f} ms  {k[:100]}")
+        print(f"{'':17s} controller, one eager step (cProfile):")
+        print("\n".join(line for line in case["controller_profile"].splitlines() if line.strip()))
 
 
 def main() -> int:
@@ -348,7 +272,10 @@ def main() -> int:
     parser.add_argument("--world-size", type=int, default=None, help="default: the mesh's size, else 1")
     parser.add_argument("--mesh", default=None, help="named mesh dims, e.g. tp=2,sp=2 (default tp=<world size>)")
     parser.add_argument("--sp-mode", default="ulysses", help="passed to dtorch_hf.parallelize (ulysses, ring)")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=1, help="images per step")
+    parser.add_argument("--cfg", action="store_true",
+                        help="a classifier-free-guidance step: the conditional and unconditional halves as one "
+                             "batch of 2 x --batch (both sides); a 'cfg' mesh dim splits it")
     parser.add_argument("--text-tokens", type=int, default=None, help="default: Flux 512, SD3 333")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per side (dt.compile records in 3)")
     parser.add_argument("--iters", type=int, default=5, help="timed steps per side and round")
@@ -362,9 +289,11 @@ def main() -> int:
     args = parser.parse_args()
     device = args.device
     dtype = DTYPES[args.dtype or ("bf16" if device == "cuda" else "fp32")]
-    runner = args.runner or ("process" if device == "cuda" else "thread")
+    runner = args.runner = args.runner or ("process" if device == "cuda" else "thread")
     if args.check is None:
         args.check = args.tiny
+    if args.cfg:
+        args.batch *= 2
     world = args.world_size
     shape, names = parse_mesh(args.mesh or f"tp={world or 1}")
     world = world or int(torch.Size(shape).numel())
@@ -396,7 +325,6 @@ def main() -> int:
             print_case(label, case, args)
             sys.stdout.flush()
             bad += [f"{label}: {p}" for p in failures(case)]
-            case.get("profile", {}).get("diffusers", {}).pop("name_us", None)
             results[label] = case
     dt.shutdown()
     if args.json:
