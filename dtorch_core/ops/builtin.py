@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..hookspecs import hookimpl
 from . import (
     composite,
+    conv,
     foreach,
     foreach_norm,
     foreach_rule,
@@ -24,7 +25,7 @@ from . import (
 
 @hookimpl
 def dtorch_register_ops(registry) -> None:
-    for family in (pointwise, reductions, matmul, views, indexing, nn, losses, foreach, foreach_rule,
+    for family in (pointwise, reductions, matmul, views, indexing, nn, conv, losses, foreach, foreach_rule,
                    fused_optim):
         family.register(registry)
     composite.register(registry)  # last: only ops that got nothing above
@@ -36,3 +37,4 @@ def dtorch_register_kernels(registry) -> None:
     materialize_kernel.register(registry)
     storage_kernels.register(registry)
     foreach_norm.register_kernels(registry)
+    conv.register_kernels(registry)
