@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from dtorch_core import hookimpl
 
+from .families.clip import CLIP_TEXT_FAMILY
 from .families.flux import FLUX_FAMILY
 from .families.sd3 import SD3_FAMILY
 from .families.t5 import T5_FAMILY
+from .families.vae import VAE_FAMILY
 from .weights_kernel import register as register_weights_kernel
 
 
@@ -16,6 +18,8 @@ def dtorch_register_model_families(registry) -> None:
     registry.add(T5_FAMILY.name, T5_FAMILY)
     registry.add(FLUX_FAMILY.name, FLUX_FAMILY)
     registry.add(SD3_FAMILY.name, SD3_FAMILY)
+    registry.add(CLIP_TEXT_FAMILY.name, CLIP_TEXT_FAMILY)
+    registry.add(VAE_FAMILY.name, VAE_FAMILY)
 
 
 @hookimpl

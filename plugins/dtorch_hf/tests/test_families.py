@@ -25,11 +25,17 @@ def test_registered_through_entry_point():
     assert family.model_classes == ("T5EncoderModel", "T5ForConditionalGeneration")
 
 
-def test_dtorch_info_lists_t5():
+FAMILIES = ["clip-text", "flux", "sd3", "t5", "vae"]      # sorted, as dtorch info lists them
+
+
+def test_dtorch_info_lists_the_families():
     from dtorch_core.cli import collect_info, format_info
 
-    assert "t5" in collect_info().model_families
-    assert "t5" in [line for line in format_info(collect_info()).splitlines() if "model families" in line][0]
+    assert list(collect_info().model_families) == FAMILIES
+    line = next(line for line in format_info(collect_info()).splitlines() if "model families" in line)
+    assert line.split(":", 1)[1].strip() == ", ".join(FAMILIES)
+    assert dtorch_hf.registered_families()["clip-text"].model_classes == ("CLIPTextModel", "CLIPTextModelWithProjection")
+    assert dtorch_hf.registered_families()["vae"].model_classes == ("AutoencoderKL",)
 
 
 @pytest.mark.parametrize("dim", ["sp", "cfg"])
