@@ -115,26 +115,9 @@ def load_pipeline(path: str, *, mesh: DeviceMesh, torch_dtype=None, sp_mode: str
     pipe = pipeline_class.from_pretrained(path, **models)
     vae = getattr(pipe, "vae", None)
     if vae is not None:
-        _prepare_vae(vae)
+        vae.decoder.register_forward_hook(_gather_decoded)
     log.info("pipeline loaded", pipeline=name, models=sorted(models), mesh=repr(mesh))
     return pipe
-
-
-def _prepare_vae(vae: torch.nn.Module) -> None:
-    vae.decoder.register_forward_hook(_gather_decoded)
-    for module in vae.modules():
-        if isinstance(module, torch.nn.GroupNorm):
-            module.register_forward_pre_hook(_contiguous_input)
-
-
-def _contiguous_input(module, args):
-    # A workaround for a dtorch_core gap: the controller takes an op's output strides from the
-    # meta device, which lays out size-1 dims unlike CPU kernels (a batch-1 (1, C, H, W) after
-    # the VAE's attention block: meta says channels_last, the shards are not), so torch's
-    # group_norm skips the .contiguous() the shards need and its kernel refuses them. A plain
-    # .contiguous() here is a no-op on tensors that are contiguous both ways.
-    x = args[0]
-    return (x.contiguous(),) + tuple(args[1:]) if isinstance(x, dt.DTensor) else args
 
 
 def _gather_decoded(module, args, output):

@@ -100,6 +100,16 @@ def test_encoder_from_a_sharded_checkpoint(session, tmp_path):
     _assert_same_weights(model, ref)
 
 
+def test_variant_files(session, tmp_path):
+    torch.manual_seed(0)
+    T5EncoderModel(tiny_config("even")).save_pretrained(tmp_path, variant="fp16")
+    assert os.path.isfile(tmp_path / "model.fp16.safetensors")
+    with pytest.raises(dtorch_hf.NotAPretrainedModelError, match="expected model.safetensors"):
+        dtorch_hf.from_pretrained(tmp_path, mesh=make_mesh("tp4"))
+    model = dtorch_hf.from_pretrained(tmp_path, mesh=make_mesh("tp4"), variant="fp16")
+    _assert_same_weights(model, T5EncoderModel.from_pretrained(tmp_path, variant="fp16").eval())
+
+
 def test_non_persistent_buffers_get_their_values(session, clip_dir):
     # CLIP's position_ids is in no file: the constructor's arange is replayed on the workers
     model = dtorch_hf.from_pretrained(clip_dir, mesh=make_mesh("tp2xdp2"))
