@@ -6,7 +6,7 @@ head_dim) sharded on the sequence over the sp mesh dim, uneven lengths allowed (
 layout). Each stream is padded at its end to ``n * ceil(seq / n)`` (each rank pads its own shard:
 no data moves, see dtorch_core's constant_pad rule), and laid out as ``n`` blocks along a leading
 dim: rank i holds block i, the streams' blocks side by side, in the (batch, heads, tokens,
-head_dim) layout of the attention kernels with block and batch as one leading dim. Then ``n``
+head_dim) layout of the attention kernels with batch and block as one leading dim. Then ``n``
 steps: each rank attends its query block to the key/value block it holds (the CPU flash kernel,
 which returns the log-sum-exp), merges the partial output with the running one through the
 log-sum-exp (online softmax, in fp32), and the key/value blocks move one rank round the ring (a
@@ -67,69 +67,71 @@ def ring_attention(queries, keys, values, mesh_dim: int, scale: float | None = N
             "dtorch_hf's ring attention runs the CPU flash kernel so far (it needs the log-sum-exp); "
             "use sp_mode='ulysses' on GPUs")
     n = mesh.size(mesh_dim)
-    batch = queries[0].shape[0]
     lengths = [q.shape[SEQ] for q in queries]
     blocks = [-(-s // n) for s in lengths]
-    q, k, v = (torch.cat([_to_blocks(t, n) for t in ts], dim=3).flatten(0, 1) for ts in (queries, keys, values))
-    biases = _key_biases(lengths, blocks, n, batch, q.dtype, mesh, mesh_dim, q.placements)
-    out = _RingAttention.apply(q, k, v, biases, batch, scale)
-    outs = out.unflatten(0, (n, batch)).split(blocks, dim=3)
-    return [_from_blocks(o, s) for o, s in zip(outs, lengths)]
+    q, k, v = (torch.cat([_to_blocks(t, n) for t in ts], dim=3) for ts in (queries, keys, values))
+    biases = _key_biases(lengths, blocks, n, q.shape[0], q.dtype, mesh, q.flatten(0, 1).placements)
+    out = _RingAttention.apply(q, k, v, biases, scale)
+    return [_from_blocks(o, s) for o, s in zip(out.split(blocks, dim=3), lengths)]
 
 
 def _to_blocks(x, n: int):
-    """(batch, seq, heads, dim) -> (n, batch, heads, ceil(seq / n), dim): block i is shard i."""
+    """(batch, seq, heads, dim) -> (batch, n, heads, ceil(seq / n), dim): block i is shard i.
+    Batch before block: where "cfg" splits the batch into rows over an earlier mesh dim, the
+    kernels' (batch x block) dim stays sharded over both (dtorch_core's view rule)."""
     length = x.shape[SEQ]
     padded = n * -(-length // n)
     x = F.pad(x, (0, 0, 0, 0, 0, padded - length))
-    return x.unflatten(SEQ, (n, padded // n)).permute(1, 0, 3, 2, 4)
+    return x.unflatten(SEQ, (n, padded // n)).permute(0, 1, 3, 2, 4)
 
 
 def _from_blocks(x, length: int):
     """The inverse of :func:`_to_blocks`."""
-    x = x.permute(1, 0, 3, 2, 4).flatten(1, 2)
+    x = x.permute(0, 1, 3, 2, 4).flatten(1, 2)
     return F.pad(x, (0, 0, 0, 0, 0, length - x.shape[SEQ]))
 
 
-def _key_biases(lengths, blocks, n, batch, dtype, mesh, mesh_dim, placements) -> list | None:
-    """Per ring step, the additive key bias (n * batch, 1, 1, keys) of the key blocks each rank
+def _key_biases(lengths, blocks, n, batch, dtype, mesh, placements) -> list | None:
+    """Per ring step, the additive key bias (batch * n, 1, 1, keys) of the key blocks each rank
     holds then (0 on real keys, the dtype's minimum on padding; finite, so a block of padding
-    alone gives a log-sum-exp that the merge weighs to zero); None where nothing is padded."""
+    alone gives a log-sum-exp that the merge weighs to zero), laid out as the kernels' leading
+    dim (``placements``); None where nothing is padded."""
     valid = torch.cat([
         torch.stack([torch.arange(b) < chunk_extent(s, n, i).length for i in range(n)])
         for s, b in zip(lengths, blocks)], dim=1)
     if bool(valid.all()):
         return None
     bias = torch.zeros(valid.shape, dtype=dtype).masked_fill(~valid, torch.finfo(dtype).min)
-    where = [Replicate()] * mesh.ndim
-    where[mesh_dim] = Shard(0)
+    where = [Shard(0) if p == Shard(0) else Replicate() for p in placements]
     out = []
     for step in range(n):
         rolled = bias.roll(-step, 0)  # rank i holds block i + step
-        full = rolled[:, None, None, None, :].expand(n, batch, 1, 1, bias.shape[1]).flatten(0, 1).contiguous()
+        full = rolled[None, :, None, None, :].expand(batch, n, 1, 1, bias.shape[1]).flatten(0, 1).contiguous()
         out.append(dt.distribute_tensor(full, mesh, where))
     return out
 
 
-def _pass_on(x, batch: int):
-    """``x`` (blocks along dim 1, one per rank) with every rank holding its neighbour's block
-    (rank i gets rank i + 1's): one shift."""
-    return torch.roll(x, -batch, 1)
+def _pass_on(x):
+    """``x`` (blocks along dim 2: (k/v, batch, block, ...)) with every rank holding its
+    neighbour's block (rank i gets rank i + 1's): one shift."""
+    return torch.roll(x, -1, 2)
 
 
 class _RingAttention(torch.autograd.Function):
-    """Attention of query blocks (n * batch, heads, L, dim) against every key/value block,
-    passed round the ring; forward and backward as the module docstring says."""
+    """Attention of query blocks (batch, n, heads, L, dim) against every key/value block, passed
+    round the ring; forward and backward as the module docstring says. The kernels see batch
+    and block as one leading dim."""
 
     @staticmethod
-    def forward(ctx, q, k, v, biases, batch, scale):
-        n = q.shape[0] // batch
+    def forward(ctx, q, k, v, biases, scale):
+        n = q.shape[1]
+        flat_q = q.flatten(0, 1)
         kv = torch.stack([k, v])
         out = lse = None
         for step in range(n):
             bias = None if biases is None else biases[step]
             part, part_lse = aten._scaled_dot_product_flash_attention_for_cpu(
-                q, kv[0], kv[1], 0.0, False, attn_mask=bias, scale=scale)
+                flat_q, kv[0].flatten(0, 1), kv[1].flatten(0, 1), 0.0, False, attn_mask=bias, scale=scale)
             part = part.float()
             if out is None:
                 out, lse = part, part_lse
@@ -138,28 +140,29 @@ class _RingAttention(torch.autograd.Function):
                 out = out * torch.exp(lse - merged).unsqueeze(-1) + part * torch.exp(part_lse - merged).unsqueeze(-1)
                 lse = merged
             if step < n - 1:
-                kv = _pass_on(kv, batch)
+                kv = _pass_on(kv)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.biases, ctx.batch, ctx.scale = biases, batch, scale
-        return out
+        ctx.save_for_backward(flat_q, k, v, out, lse)
+        ctx.biases, ctx.scale = biases, scale
+        return out.unflatten(0, tuple(q.shape[:2]))
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        batch = ctx.batch
-        n = q.shape[0] // batch
+        flat_q, k, v, out, lse = ctx.saved_tensors
+        n = k.shape[1]
         kv = torch.stack([k, v])
         grad_kv = torch.zeros_like(kv, dtype=torch.float32)
         grad_q = None
-        grad_out = grad_out.contiguous()
+        grad_out = grad_out.flatten(0, 1).contiguous()
         for step in range(n):
             bias = None if ctx.biases is None else ctx.biases[step]
             gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad_out, q, kv[0], kv[1], out, lse, 0.0, False, attn_mask=bias, scale=ctx.scale)
+                grad_out, flat_q, kv[0].flatten(0, 1), kv[1].flatten(0, 1), out, lse, 0.0, False,
+                attn_mask=bias, scale=ctx.scale)
             grad_q = gq.float() if grad_q is None else grad_q + gq.float()
-            grad_kv = grad_kv + torch.stack([gk, gv]).float()
+            grad_kv = grad_kv + torch.stack([gk, gv]).unflatten(1, tuple(k.shape[:2])).float()
             if step < n - 1:
-                kv = _pass_on(kv, batch)
-            grad_kv = _pass_on(grad_kv, batch)  # the last pass brings each block's gradient home
-        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
+                kv = _pass_on(kv)
+            grad_kv = _pass_on(grad_kv)  # the last pass brings each block's gradient home
+        grad_q = grad_q.to(flat_q.dtype).unflatten(0, tuple(k.shape[:2]))
+        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None

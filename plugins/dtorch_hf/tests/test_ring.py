@@ -1,5 +1,5 @@
 """Ring attention (``sp_mode="ring"``) for Flux and SD3 against the same models on the controller:
-sp=4 and tp=2 x sp=2, uneven text and image lengths, both runners. The key/value blocks travel
+sp=4, tp=2 x sp=2 and cfg=2 x sp=2 (a batch of 2), uneven text and image lengths, both runners. The key/value blocks travel
 by ``shift`` collectives only (no all-gather or all-to-all inside attention), and a backward of
 the output's sum gives torch's input gradients. ``ring_attention`` itself is checked on
 streams where a rank's whole block is padding."""
@@ -22,14 +22,14 @@ import test_sd3  # noqa: E402
 from dtorch_hf.ring import ring_attention  # noqa: E402
 from hf_testing import make_transformer_mesh, rel_err  # noqa: E402
 
-RING_MESHES = ("sp4", "tp2xsp2")
-# model, its config, (inputs maker, case) per case, attention modules per forward
+RING_MESHES = ("sp4", "tp2xsp2", "cfg2xsp2")  # cfg: a batch of 2, one row per cfg rank
+# model, its config, per case the inputs of a batch size, attention modules per forward
 MODELS = {
     "flux": (FluxTransformer2DModel, test_flux.CONFIG,
-             {"16img+5txt": lambda: test_flux._inputs(4, 4, 5, 1), "15img+7txt": lambda: test_flux._inputs(3, 5, 7, 1)},
+             {"16img+5txt": lambda b: test_flux._inputs(4, 4, 5, b), "15img+7txt": lambda b: test_flux._inputs(3, 5, 7, b)},
              2),
     "sd3": (SD3Transformer2DModel, test_sd3.CONFIG,
-            {"16img+5txt": lambda: test_sd3._inputs(8, 8, 5), "15img+7txt": lambda: test_sd3._inputs(6, 10, 7)},
+            {"16img+5txt": lambda b: test_sd3._inputs(8, 8, 5, b), "15img+7txt": lambda b: test_sd3._inputs(6, 10, 7, b)},
             3),  # two joint attentions and block 0's attn2
 }
 ATTENTION_KINDS = {"shift"}  # inside attention modules, besides the tp projections' reductions
@@ -78,7 +78,7 @@ def test_ring_forward_and_backward_match(session, saved, model_name, mesh_name, 
     ref = cls.from_pretrained(saved[model_name])
     model = cls.from_pretrained(saved[model_name])
     assert dtorch_hf.parallelize(model, mesh, sp_mode="ring") is model
-    x = cases[case]()
+    x = cases[case](2 if "cfg" in mesh_name else 1)
     leaves = _as_leaves(x, mesh)
     ref_inputs = {k: (v.clone().requires_grad_() if k in leaves and isinstance(leaves[k], dt.DTensor) else v)
                   for k, v in x.items()}
