@@ -7,6 +7,8 @@ downloaded."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -137,3 +139,17 @@ def test_unsupported_pipeline_and_missing_component(session, saved, tmp_path):
     shutil.rmtree(lacking / "text_encoder_2")
     with pytest.raises(dtorch_hf.NotAPretrainedModelError, match="lacks the folder text_encoder_2/"):
         dtorch_hf.from_pretrained(lacking, mesh=_mesh("tp4"))
+
+
+def test_one_diffusers_model_directory(session, saved):
+    from diffusers import SD3Transformer2DModel
+
+    model = dtorch_hf.from_pretrained(os.path.join(saved["sd3"], "transformer"), mesh=_mesh("tp2xsp2"))
+    ref = SD3Transformer2DModel.from_pretrained(os.path.join(saved["sd3"], "transformer")).eval()
+    assert type(model) is SD3Transformer2DModel and not model.training
+    assert dt.Shard(0) in model.transformer_blocks[0].attn.to_q.weight.placements
+    want = dict(ref.named_parameters()) | dict(ref.named_buffers())
+    got = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert torch.equal(got[name].full_tensor(), t), name
