@@ -6,7 +6,10 @@
 #      process), while dtorch-core's native channel builds in the background;
 #   2. the timed run with the process runner (the headline figures), native channel if it built,
 #      then (after the timing) a cProfile of the controller issuing one eager step and the aten
-#      ops it plans (no worker thread competes for the GIL there).
+#      ops it plans (no worker thread competes for the GIL there);
+#   3. the timed run again on the mesh $ALSO_MESH (default sp=1: on one device the Flux/SD3
+#      families then apply no tp plan, so the tp styles' redistributions over a mesh dim of size 1,
+#      each a copy of the whole tensor, drop out; ALSO_MESH= skips it).
 # Logs and JSON under $OUT. From the checkout's root, with the wheels of structlog, diffusers
 # 0.42.1 and importlib_metadata in .whl/:
 #   device run, carry [".whl"]:  bash plugins/dtorch_hf/bench/gpu_hf_models.sh [extra hf_models.py options]
@@ -49,6 +52,12 @@ cp /tmp/core/dtorch_core/_native*.so "$REPO/dtorch_core/" 2>/dev/null || echo "n
 python3 -m dtorch_core.cli info 2>&1 | grep -iE "native|channel" | head -3
 
 stamp "2. timed run (process runner)"
-timeout -k 10 ${TIME_LIMIT:-240} python3 "$BENCH" --runner process --profile --top 12 --json "$OUT/timed.json" "$@" 2>&1 | tee "$OUT/timed.log"
+timeout -k 10 ${TIME_LIMIT:-200} python3 "$BENCH" --runner process --profile --top 12 --json "$OUT/timed.json" "$@" 2>&1 | tee "$OUT/timed.log"
 echo "rc=${PIPESTATUS[0]}"
+if [ -n "${ALSO_MESH-sp=1}" ]; then
+  stamp "3. timed run, mesh ${ALSO_MESH-sp=1} (process runner)"
+  timeout -k 10 ${ALSO_LIMIT:-150} python3 "$BENCH" --runner process --mesh "${ALSO_MESH-sp=1}" --json "$OUT/timed_also.json" "$@" 2>&1 \
+    | tee "$OUT/timed_also.log"
+  echo "rc=${PIPESTATUS[0]}"
+fi
 stamp done
