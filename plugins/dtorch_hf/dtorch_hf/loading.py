@@ -87,9 +87,10 @@ def _header(directory: str, file: str) -> dict:
         return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
 
 
-def build_on_meta(cls, directory: str, library: str):
+def build_on_meta(cls, directory: str, library: str, torch_dtype=None):
     """``cls`` built from ``directory``'s config on the meta device, its initialisation recorded;
-    returns ``(model, trace)``."""
+    returns ``(model, trace)``. As each library builds it: diffusers in float32 (cast after),
+    transformers in ``torch_dtype`` or else the config's ``dtype``."""
     if library == "diffusers":
         config = cls.load_config(directory)
         with dt.nn.meta_init() as trace:
@@ -99,7 +100,7 @@ def build_on_meta(cls, directory: str, library: str):
 
         config = AutoConfig.from_pretrained(directory)
         with dt.nn.meta_init() as trace:
-            model = cls._from_config(config)
+            model = cls._from_config(config, **({"dtype": torch_dtype} if torch_dtype is not None else {}))
     return model.eval(), trace
 
 
@@ -175,7 +176,7 @@ def load_model(cls, directory: str, library: str, mesh: DeviceMesh, *, torch_dty
     start = time.monotonic()
     directory = os.path.abspath(directory)  # the workers may run in another cwd
     files = weight_files(directory, library, variant)
-    model, trace = build_on_meta(cls, directory, library)
+    model, trace = build_on_meta(cls, directory, library, torch_dtype)
     slots = _slots(model)
     originals = {q: _tensor(model, q) for q in slots}  # the recorded meta tensors
     _cast_on_meta(model, torch_dtype)

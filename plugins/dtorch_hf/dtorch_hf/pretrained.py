@@ -46,7 +46,9 @@ def from_pretrained(path, *, mesh: DeviceMesh, torch_dtype: torch.dtype | None =
     dims (``"tp"``, ``"sp"`` with ``sp_mode``, ``"cfg"``; see ``dtorch_hf.parallelize``), or
     replicated where no family serves it; each worker reads its own shards from the
     safetensors files, converting to ``torch_dtype`` (floating tensors; transformers'
-    float32-kept modules stay float32). ``variant`` picks ``*.{variant}.safetensors`` files.
+    float32-kept modules stay float32; without it each library's default: float32 for
+    diffusers, the config's ``dtype`` for transformers). ``variant`` picks
+    ``*.{variant}.safetensors`` files.
     Nothing is downloaded: a path that is not such a directory raises
     ``NotAPretrainedModelError`` naming what is missing.
     """

@@ -23,7 +23,7 @@ from dtorch_hf import tiny_pipelines
 PROMPT = "a photo of a cat"
 # 20 x 24 pixels: latents 10 x 12; SD3's 2x2 patches and Flux's 2x2 packing give 5 x 6 = 30
 # image tokens (uneven on sp 4); text: SD3 8 CLIP + 7 T5 = 15 tokens, Flux 7 (both uneven)
-CALL = dict(num_inference_steps=2, height=20, width=24, max_sequence_length=tiny_pipelines.T5_MAX_LENGTH)
+CALL = {"num_inference_steps": 2, "height": 20, "width": 24, "max_sequence_length": tiny_pipelines.T5_MAX_LENGTH}
 # SD3 guides by CFG (guidance_scale 7 by default: a batch of 2, split over "cfg"); Flux runs
 # its true CFG (a negative prompt and true_cfg_scale > 1) so that "cfg" has something to split
 EXTRA = {"sd3": {}, "flux": {"negative_prompt": "a dog", "true_cfg_scale": 2.0}}
@@ -38,7 +38,7 @@ def saved(tmp_path_factory):
             for kind in tiny_pipelines.PIPELINES}
 
 
-def _generate(pipe, kind, output_type, dtype=None):
+def _generate(pipe, kind, output_type):
     return pipe(PROMPT, generator=torch.Generator().manual_seed(0), output_type=output_type,
                 **CALL, **EXTRA[kind]).images
 
