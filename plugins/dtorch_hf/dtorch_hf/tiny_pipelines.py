@@ -45,7 +45,9 @@ def _t5_tokenizer():
     return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=T5_MAX_LENGTH)
 
 
-def _clip_text(cls, hidden: int, projection: int | None = None):
+def clip_text_model(cls, hidden: int, projection: int | None = None):
+    """A tiny random ``cls`` (``CLIPTextModel`` or ``CLIPTextModelWithProjection``) of width
+    ``hidden`` (4 heads, 2 layers, MLP width 2 * hidden + 5), matching the tiny CLIP tokenizer."""
     from transformers import CLIPTextConfig
 
     tok = _clip_tokenizer()
@@ -94,8 +96,8 @@ def sd3_pipeline(seed: int = 0):
     return StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         vae=_vae(4, scaling_factor=1.5, shift_factor=0.06),
-        text_encoder=_clip_text(CLIPTextModelWithProjection, 16), tokenizer=_clip_tokenizer(),
-        text_encoder_2=_clip_text(CLIPTextModelWithProjection, 16), tokenizer_2=_clip_tokenizer(),
+        text_encoder=clip_text_model(CLIPTextModelWithProjection, 16), tokenizer=_clip_tokenizer(),
+        text_encoder_2=clip_text_model(CLIPTextModelWithProjection, 16), tokenizer_2=_clip_tokenizer(),
         text_encoder_3=_t5_encoder(32), tokenizer_3=_t5_tokenizer())
 
 
@@ -116,7 +118,7 @@ def flux_pipeline(seed: int = 0):
         num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6)).eval()
     return FluxPipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(), vae=_vae(4, scaling_factor=0.4, shift_factor=0.1),
-        text_encoder=_clip_text(CLIPTextModel, 16), tokenizer=_clip_tokenizer(),
+        text_encoder=clip_text_model(CLIPTextModel, 16), tokenizer=_clip_tokenizer(),
         text_encoder_2=_t5_encoder(32), tokenizer_2=_t5_tokenizer())
 
 

@@ -35,7 +35,7 @@ def t5_dir(tmp_path_factory):
 def clip_dir(tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("clip")
-    tiny_pipelines._clip_text(CLIPTextModelWithProjection, 16).save_pretrained(path)
+    tiny_pipelines.clip_text_model(CLIPTextModelWithProjection, 16).save_pretrained(path)
     return str(path)
 
 
@@ -173,7 +173,7 @@ def test_errors_name_what_is_missing(session, tmp_path, t5_dir, clip_dir):
 
 def test_plain_clip_text_model(session, tmp_path):
     torch.manual_seed(0)
-    tiny_pipelines._clip_text(CLIPTextModel, 16).save_pretrained(tmp_path)
+    tiny_pipelines.clip_text_model(CLIPTextModel, 16).save_pretrained(tmp_path)
     model = dtorch_hf.from_pretrained(tmp_path, mesh=make_mesh("dp2xtp2"))
     assert type(model) is CLIPTextModel
     _assert_same_weights(model, CLIPTextModel.from_pretrained(tmp_path).eval())
