@@ -9,9 +9,10 @@ shards on the workers: the controller never holds a weight.
 3. The controller reads only the safetensors headers (names, shapes) and sends each rank the
    regions its shards hold; each worker reads them from the files itself (the kernel
    ``dtorch_hf::read_weights``, converting the dtype).
-4. Buffers the files do not hold (non-persistent ones such as CLIP's ``position_ids``) get
-   the values the model's constructor gives them: the recorded initialisation, less its random
-   draws, is replayed for just those buffers on the workers (``dtorch::materialize``).
+4. Buffers the files do not hold (non-persistent ones such as CLIP's ``position_ids``, or
+   persistent ones a checkpoint left out) get the values the model's constructor gives them:
+   the recorded initialisation, less its random draws, is replayed for just those buffers on
+   the workers (``dtorch::materialize``). A parameter the files lack is an error.
 """
 
 from __future__ import annotations
@@ -156,10 +157,9 @@ def _slots(model: nn.Module) -> dict:
     return {names[0]: names for names in seen.values()}
 
 
-def _persistent(model: nn.Module, qualname: str) -> bool:
+def _is_parameter(model: nn.Module, qualname: str) -> bool:
     prefix, _, name = qualname.rpartition(".")
-    module = model.get_submodule(prefix)
-    return name in module._parameters or name not in module._non_persistent_buffers_set
+    return name in model.get_submodule(prefix)._parameters
 
 
 def _tensor(model: nn.Module, qualname: str):
@@ -185,7 +185,7 @@ def load_model(cls, directory: str, library: str, mesh: DeviceMesh, *, torch_dty
         found = next((n for n in names if n in files), None)
         if found is not None:
             read[qualname] = found
-        elif _persistent(model, qualname):
+        elif _is_parameter(model, qualname):
             missing.append(qualname)
         else:
             computed.append(qualname)

@@ -153,3 +153,18 @@ def test_one_diffusers_model_directory(session, saved):
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         assert torch.equal(got[name].full_tensor(), t), name
+
+
+def test_buffer_left_out_of_the_files_gets_its_constructor_value(session, saved, tmp_path):
+    # SD3's positional table (a persistent buffer) removed from the file: computed as the
+    # constructor computes it; a parameter removed would raise (test_pretrained)
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(os.path.join(saved["sd3"], "transformer"), tmp_path / "transformer")
+    weights = load_file(path / "diffusion_pytorch_model.safetensors")
+    want = weights.pop("pos_embed.pos_embed")
+    save_file(weights, path / "diffusion_pytorch_model.safetensors")
+    model = dtorch_hf.from_pretrained(path, mesh=_mesh("sp4"))
+    assert torch.equal(model.pos_embed.pos_embed.full_tensor(), want)
