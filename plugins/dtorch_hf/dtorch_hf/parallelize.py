@@ -60,6 +60,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sp_mode: str = "ulysses",
                 f"plan= shards over the mesh dim 'tp', and this mesh has dims {mesh.mesh_dim_names}; "
                 "add a 'tp' dim or leave plan out")
         chosen = {}
+    if dims.size("tp") == 1:
+        # a "tp" dim of one device shards nothing, while the styles' hooks would still lay
+        # every activation out again on it (a copy of the whole tensor each on the worker)
+        chosen = {}
     named = dict(model.named_modules())
     for pattern, style in chosen.items():
         if not isinstance(style, ParallelStyle):

@@ -122,3 +122,19 @@ def test_unused_dims_replicate(session):
         assert rel_err(model(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state) <= 1e-4
     with pytest.raises(dt.errors.ConfigError, match="unused_dims"):
         dtorch_hf.parallelize(T5EncoderModel(tiny_config("even")), mesh, unused_dims="ignore")
+
+
+def test_tp_of_one_device_applies_no_plan(session):
+    """A "tp" dim of size 1 shards nothing: the plan's styles (and their activation copies on
+    the workers) are left out, the model is replicated there, and the output is unchanged."""
+    torch.manual_seed(0)
+    ref = T5EncoderModel(tiny_config("even")).eval()
+    model = T5EncoderModel(tiny_config("even")).eval()
+    model.load_state_dict(ref.state_dict())
+    mesh = dt.init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "tp"))
+    dtorch_hf.parallelize(model, mesh)
+    q = model.encoder.block[0].layer[0].SelfAttention.q.weight
+    assert tuple(q.placements) == (dt.Replicate(), dt.Replicate())
+    ids = torch.randint(2, 64, (3, 7))
+    with torch.no_grad():
+        assert rel_err(model(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state) <= 1e-4
