@@ -83,9 +83,15 @@ def weight_files(directory: str, library: str, variant: str | None = None) -> di
 
 
 def _header(directory: str, file: str) -> dict:
-    """``{name: shape}`` of the tensors of one safetensors file (its header only; no data)."""
-    with open_data_file(directory, file) as f:
-        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    """``{name: shape}`` of the tensors of one safetensors file (its header only; no data).
+    A name that leaves the directory, a link, or a file that is not safetensors raises
+    NotAPretrainedModelError naming it."""
+    try:
+        with open_data_file(directory, file) as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    except Exception as exc:  # OSError, or safetensors' own error for a malformed header
+        raise NotAPretrainedModelError(f"{directory}: cannot read the weights file {file!r}: "
+                                       f"{type(exc).__name__}: {exc}") from exc
 
 
 def build_on_meta(cls, directory: str, library: str, torch_dtype=None):

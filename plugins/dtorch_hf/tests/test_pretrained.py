@@ -156,6 +156,17 @@ def test_errors_name_what_is_missing(session, tmp_path, t5_dir, clip_dir):
     (no_class / "config.json").write_text(json.dumps(config))
     with pytest.raises(dtorch_hf.NotAPretrainedModelError, match="names no model class"):
         dtorch_hf.from_pretrained(no_class, mesh=mesh)
+    # an index pointing outside the directory, and a file that is not safetensors
+    escaping = _copy(t5_dir, tmp_path / "escaping")
+    names = list(load_file(escaping / "model.safetensors"))
+    (escaping / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": dict.fromkeys(names, "../model.safetensors")}))
+    with pytest.raises(dtorch_hf.NotAPretrainedModelError, match="cannot read the weights file '../model.safetensors'"):
+        dtorch_hf.from_pretrained(escaping, mesh=mesh)
+    garbage = _copy(t5_dir, tmp_path / "garbage")
+    (garbage / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(dtorch_hf.NotAPretrainedModelError, match="cannot read the weights file 'model.safetensors'"):
+        dtorch_hf.from_pretrained(garbage, mesh=mesh)
     # a tensor missing from the file, and one of another shape
     lacking = _copy(clip_dir, tmp_path / "lacking")
     weights = load_file(lacking / "model.safetensors")
