@@ -20,6 +20,8 @@ import dtorch_core as dt
 import dtorch_hf
 from dtorch_hf import tiny_pipelines
 
+from test_pretrained import sent_bytes
+
 PROMPT = "a photo of a cat"
 # 20 x 24 pixels: latents 10 x 12; SD3's 2x2 patches and Flux's 2x2 packing give 5 x 6 = 30
 # image tokens (uneven on sp 4); text: SD3 8 CLIP + 7 T5 = 15 tokens, Flux 7 (both uneven)
@@ -82,9 +84,11 @@ def _check_layout(pipe, mesh_name):
 
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
 @pytest.mark.parametrize("kind", sorted(tiny_pipelines.PIPELINES))
-def test_generation_equals_single_device(session, saved, reference, kind, mesh_name):
+def test_generation_equals_single_device(session, saved, reference, monkeypatch, kind, mesh_name):
     sp_mode = "ring" if mesh_name.endswith("-ring") else "ulysses"
+    sent = sent_bytes(monkeypatch)
     pipe = dtorch_hf.from_pretrained(saved[kind], mesh=_mesh(mesh_name), sp_mode=sp_mode)
+    assert sum(sent) == 0, sent        # every model's weights read by the workers themselves
     assert type(pipe).__name__ == tiny_pipelines.describe(saved[kind])["_class_name"]
     _check_layout(pipe, mesh_name)
     seen = []

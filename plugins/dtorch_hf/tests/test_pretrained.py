@@ -39,7 +39,7 @@ def clip_dir(tmp_path_factory):
     return str(path)
 
 
-def _sent_bytes(monkeypatch) -> list:
+def sent_bytes(monkeypatch) -> list:
     """Bytes of every tensor the controller sends to the workers (``Session.put``), in order."""
     sent = []
     real_put = Session.put
@@ -64,7 +64,7 @@ def _assert_same_weights(model, ref) -> None:
 
 @pytest.mark.parametrize("mesh_name", ["tp4", "tp2xdp2"])
 def test_t5_loads_into_shards(session, monkeypatch, t5_dir, mesh_name):
-    sent = _sent_bytes(monkeypatch)
+    sent = sent_bytes(monkeypatch)
     model = dtorch_hf.from_pretrained(t5_dir, mesh=make_mesh(mesh_name))
     assert sum(sent) == 0, sent       # every weight was read by the workers themselves
     ref = T5ForConditionalGeneration.from_pretrained(t5_dir).eval()
