@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import weakref
 
 import attrs
 import structlog
@@ -121,6 +122,8 @@ class CompiledFunction:
         self.merge_collectives = merge_collectives
         self.fuse_local = fuse_local
         self._captured: collections.OrderedDict = collections.OrderedDict()
+        # a compiled function that is dropped frees its programs (and their constants) on the workers
+        weakref.finalize(self, _drop_all, self._captured)
         self.replays = 0  # calls that ran as one RunProgram
         self.captures = 0  # programs captured (a re-capture for new inputs or settings counts too)
 
@@ -274,10 +277,14 @@ class CompiledFunction:
 
     def reset(self) -> None:
         """Forget every captured program (the next calls warm up and capture again)."""
-        for entry in self._captured.values():
-            if entry.program is not None:
-                entry.session.drop_program(entry.program_id)
-        self._captured.clear()
+        _drop_all(self._captured)
+
+
+def _drop_all(captured: collections.OrderedDict) -> None:
+    for entry in captured.values():
+        if entry.program is not None:
+            entry.session.drop_program(entry.program_id)
+    captured.clear()
 
 
 def _object_guard(x):
@@ -394,3 +401,4 @@ def capture(*, fuse_local: bool = False):
                                   fusable_plan=_fusable_plan(session) if fuse_local else None)
     graph.session = session
     graph.program_id = _define(session, graph.program)
+    weakref.finalize(graph, session.drop_program, graph.program_id)  # a dropped graph frees its program

@@ -24,6 +24,7 @@ from dtorch_core.ir import wire
 from dtorch_core.ir.instructions import (
     Call,
     Collective,
+    Constant,
     DefineMesh,
     VIRTUAL_BASE,
     DefinePlan,
@@ -168,10 +169,11 @@ def realistic_instructions() -> list:
         DefineProgram(
             2,
             (Call(3, (VIRTUAL_BASE, 44), (45,), src, 0), Collective("all_reduce", 1, 0, 45, 46),
-             Delete((45,)), Put(47, 1, {0: shard}), Call(4, (46, 47), (VIRTUAL_BASE + (1 << 40),), src)),
+             Delete((45,)), Constant(47, False), Call(4, (46, 47), (VIRTUAL_BASE + (1 << 40),), src)),
             (VIRTUAL_BASE,),
             (VIRTUAL_BASE + (1 << 40),),
             (0, 4),  # the calls a worker may fuse (dt.compile(fuse_local=True))
+            (Put(47, 1, {0: shard}),),  # the program's constants
         ),
         RunProgram(2, (90,), (91,), 2**61, 12),
         DropProgram(2),
@@ -208,7 +210,7 @@ def test_every_instruction_class_has_a_stable_code():
     expected = {
         "Slot": 0, "DefineMesh": 1, "DefinePlan": 2, "Call": 3, "Collective": 4, "Put": 5,
         "Delete": 6, "Fetch": 7, "Stats": 8, "Reply": 9, "WorkerFailure": 10,
-        "DefineProgram": 11, "RunProgram": 12, "DropProgram": 13, "MergedAllReduce": 14,
+        "DefineProgram": 11, "RunProgram": 12, "DropProgram": 13, "MergedAllReduce": 14, "Constant": 15,
     }
     assert {cls.__name__: info.code for cls, info in wire._CLASSES.items()} == expected  # never renumber
     codes = [code for code, _ in wire._DTYPE_TABLE]
@@ -606,7 +608,8 @@ def test_kind_must_match_the_content():
         (b"\x93\x01\x02", ["list of 3 values runs past"]),
         (b"\x92\x01\xc5\x00", ["runs past the end of the body"]),
         (b"\x01\x02", ["1 bytes of trailing garbage", "offset 17"]),
-        (b"\xff\x03\x01\x02\x03", ["unknown class code 15"]),
+        (b"\xff\x03\x01\x02\x03", ["Constant with 3 fields, expected 2"]),  # code 15: every short code is taken
+        (b"\xd9\x10\x00\x01\x00", ["unknown class code 16"]),
         (b"\xd9\x00\x01\x01\x00", ["unknown class code 256"]),
         (b"\xf3\x02\x01\x80", ["Call with 2 fields, expected 5"]),
         (b"\xf0\x00", ["Slot with 0 fields"]),

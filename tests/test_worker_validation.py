@@ -13,6 +13,7 @@ import dtorch_core as dt
 from dtorch_core.ir.instructions import (
     Call,
     Collective,
+    Constant,
     DefineMesh,
     DefineProgram,
     Fetch,
@@ -51,6 +52,9 @@ BAD = [
     (DefineMesh(2, (2,), (1, 1)), "names a rank twice", ()),
     (DefineProgram(3, (Put(14, 1, {0: 1}),), (), ()), "program 3: step 0: Put of tensor 14", ()),
     (DefineProgram(3, (Stats(1), 5), (), ()), "step 1 is a int", ()),
+    (DefineProgram(3, (Constant(14, False),), (), ()), "step 0 names constant 14, which the program does not hold", ()),
+    (DefineProgram(3, (Constant(14, True),), (), (), (), (Put(14, 1, {0: "x"}),)),
+     "program 3: constant 0: Put of tensor 14", ()),
     (Call(1, ([1],), (15,)), "TypeError", (15,)),  # fails while it runs: unhashable tensor id
 ]
 

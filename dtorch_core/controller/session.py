@@ -269,7 +269,9 @@ class Session:
         emit, release, release_many, request = self.emit, self.release, self.release_many, self.request
 
         def rec_emit(ins):
-            rec.instructions.append(ins)
+            # a Put's data becomes the program's constant, but in-process workers store the very
+            # tensors sent and the step may write into them: the recording keeps its own copy
+            rec.instructions.append(ins if type(ins) is not Put else _copied_put(ins))
             emit(ins)
 
         def rec_release(tid):
@@ -341,7 +343,7 @@ class Session:
         """Send ``program`` to the workers; its id for :meth:`run_program`."""
         self._program += 1
         self.emit(DefineProgram(self._program, program.instructions, program.inputs, program.outputs,
-                                program.fusable))
+                                program.fusable, program.constants))
         return self._program
 
     def run_program(self, program_id: int, program: Program, inputs: tuple, outputs: tuple) -> None:
@@ -354,9 +356,11 @@ class Session:
         self.flush()  # a whole step: the workers should start now, not at the next timer tick
 
     def drop_program(self, program_id: int) -> None:
-        """Free a defined program on the workers (nothing to do once the session has ended)."""
+        """Free a defined program (its constants too) on the workers (nothing to do once the
+        session has ended). Safe from a finalizer: it only queues the instruction (an atomic
+        append, as ``release`` does), which goes with the next batch."""
         if not self.closed:
-            self.emit(DropProgram(program_id))
+            self._pending.append(DropProgram(program_id))
 
     # -- reads ----------------------------------------------------------------------------
     def put(self, shards: dict, mesh) -> int:
@@ -419,6 +423,17 @@ class Session:
                 self._stop.set()
                 self._flusher.join(timeout=5)
             self.runner.shutdown()
+
+
+def _copied_put(put: Put) -> Put:
+    """``put`` with copies of its shards (ranks sharing one tensor share its copy)."""
+    copies: dict = {}
+    shards = {}
+    for rank, shard in put.shards.items():
+        if id(shard) not in copies:
+            copies[id(shard)] = shard.clone() if isinstance(shard, torch.Tensor) else shard
+        shards[rank] = copies[id(shard)]
+    return Put(put.tid, put.mesh_id, shards)
 
 
 @attrs.frozen

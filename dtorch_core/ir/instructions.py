@@ -125,6 +125,16 @@ class Put:
 
 
 @attrs.frozen
+class Constant:
+    """Inside a program: store the program's constant ``tid`` (its ``DefineProgram.constants``
+    entry, already on the device) under ``tid``. ``copy``: a fresh copy on every replay, for a
+    tensor the program may write into, keeps or returns; otherwise the constant itself."""
+
+    tid: int
+    copy: bool
+
+
+@attrs.frozen
 class Delete:
     tids: tuple
 
@@ -154,14 +164,19 @@ class Stats:
 class DefineProgram:
     """A captured step, kept by the workers until ``DropProgram``.
 
-    ``instructions`` are Calls, Collectives, Puts and Deletes. Inside them the explicit inputs
-    are named by ``inputs`` and the explicit outputs by ``outputs`` (ids above VIRTUAL_BASE that
-    the controller never hands out); every other id is the program's own (temporaries and the
+    ``instructions`` are Calls, Collectives, MergedAllReduces, Constants and Deletes. Inside
+    them the explicit inputs are named by ``inputs`` and the explicit outputs by ``outputs`` (ids
+    above VIRTUAL_BASE that the controller never hands out); every other id is the program's own (temporaries and the
     state it updates in place). A Call's ``seed`` is its index among the program's seeded calls.
 
     ``fusable`` lists the positions of Calls the workers may run together as one compiled
     function (``dt.compile(fuse_local=True)``): unseeded aten calls that write only their fresh
     outputs. Empty: every instruction runs as sent.
+
+    ``constants`` are the tensors the step sent from the controller (``Put``s recorded inside
+    it: a replay does not run the Python that made them, so their values are those of the
+    capture). Workers move them to the device once and keep them until ``DropProgram``; a
+    ``Constant`` step of the body names each one where its ``Put`` was.
     """
 
     program_id: int
@@ -169,6 +184,7 @@ class DefineProgram:
     inputs: tuple
     outputs: tuple
     fusable: tuple = ()
+    constants: tuple = ()  # Puts
 
 
 @attrs.frozen

@@ -10,6 +10,9 @@ checks that the step can run again from its own results, and optimises it once:
   point without crossing a use of their result or a write to their input become one exchange;
 - freeing at last use: a temporary is deleted right after the last instruction that touches it,
   instead of when the controller's handle happened to die (lower peak memory than eager);
+- constants: tensors the step sent from the controller (``Put``) hold the capture's values on
+  every replay (a replay does not run the Python that made them), so they go to the workers once,
+  with the program, and a ``Constant`` step names each; the body holds no ``Put``;
 - with ``fusable_plan``, marking the calls workers may fuse into compiled segments (the workers
   choose the segments, see ``worker.fused``).
 
@@ -23,7 +26,18 @@ from __future__ import annotations
 import attrs
 
 from ..errors import CaptureError
-from .instructions import VIRTUAL_BASE, Call, Collective, Delete, MergedAllReduce, Put, merge_hints, program_seed
+from .instructions import (
+    COMMUNICATING_KINDS,
+    VIRTUAL_BASE,
+    Call,
+    Collective,
+    Constant,
+    Delete,
+    MergedAllReduce,
+    Put,
+    merge_hints,
+    program_seed,
+)
 
 _OUTPUT_BASE = VIRTUAL_BASE + (1 << 40)
 _BODY_TYPES = (Call, Collective, MergedAllReduce, Put, Delete)
@@ -74,6 +88,7 @@ class Program:
     merged: int  # all-reduces merged into others
     fusable: tuple = ()  # positions of the calls workers may run inside fused segments
     comm: tuple = ()  # CommEvents the recording issued, reported again by every replay
+    constants: tuple = ()  # the Puts the step recorded, named in the body by Constant steps
 
 
 def reads_of(ins) -> tuple:
@@ -93,7 +108,7 @@ def writes_of(ins) -> tuple:
         return tuple(o for o in ins.outputs if o >= 0)
     if t is Collective:
         return (ins.dst,)
-    if t is Put:
+    if t is Put or t is Constant:
         return (ins.tid,)
     if t is MergedAllReduce:
         return ins.dsts
@@ -149,12 +164,13 @@ def build_program(rec: Recording, input_tids, output_tids, pure_plans, describe,
     signature = _signature(body, made)
     kept = _eliminate_dead(body, made, released, set(outputs), pure_plans)
     merged = _merge_all_reduces(kept, pure_plans) if merge else kept
-    final = _free_at_last_use(merged, made, released, set(outputs))
+    freed = _free_at_last_use(merged, made, released, set(outputs))
+    final, constants = _constants(freed, made, released, set(outputs), pure_plans)
     fusable = () if fusable_plan is None else tuple(
         i for i, ins in enumerate(final) if type(ins) is Call and ins.seed is None and fusable_plan(ins.plan_id))
     return Program(tuple(final), tuple(VIRTUAL_BASE + k for k in range(len(input_tids))), tuple(outputs),
                    seeds, signature, len(body), len(body) - len(kept), len(kept) - len(merged), fusable,
-                   tuple(rec.comm))
+                   tuple(rec.comm), constants)
 
 
 def _number_seeds(body, rec):
@@ -384,6 +400,36 @@ def _free_at_last_use(body, made, released, outputs) -> list:
         if i in frees:
             out.append(Delete(tuple(frees[i])))
     return out
+
+
+def _constants(body, made, released, outputs, pure_plans) -> tuple[list, tuple]:
+    """The body with each Put turned into a Constant step, and the Puts (the program's constants).
+
+    A temporary constant that only pure calls and communicating collectives read (they make
+    fresh tensors) is never written: every replay shares it, and its step moves to the start
+    (binding it costs nothing; a fused segment may then run across where its Put was). Any
+    other (an in-place or view op reads it, or the step keeps or returns it) is copied where
+    its Put was, so no replay, and no later eager op on a kept tensor, changes what the next
+    replay starts from.
+    """
+    constants = tuple(ins for ins in body if type(ins) is Put)
+    if not constants:
+        return body, ()
+    unsafe = set()
+    for ins in body:
+        t = type(ins)
+        fresh_outputs = (t is Call and ins.plan_id in pure_plans or t is MergedAllReduce
+                         or (t is Collective and ins.kind in COMMUNICATING_KINDS))
+        if not fresh_outputs:
+            unsafe.update(reads_of(ins))
+
+    def shared(tid) -> bool:
+        return tid in made and tid in released and tid not in outputs and tid not in unsafe
+
+    first = [Constant(put.tid, False) for put in constants if shared(put.tid)]
+    rest = [ins if type(ins) is not Put else Constant(ins.tid, True)
+            for ins in body if type(ins) is not Put or not shared(ins.tid)]
+    return first + rest, constants
 
 
 def first_difference(a: Program, b: Program) -> int | None:

@@ -17,12 +17,13 @@ import threading
 import time
 import weakref
 
+import attrs
 import structlog
 
 from ..comm.kinds import choose_communicator
 from ..errors import WorkerError, WorkerLostError
 from ..ir import wire
-from ..ir.instructions import DefinePlan, Put, Reply
+from ..ir.instructions import DefinePlan, DefineProgram, Put, Reply
 from ..transport.channel import active_backend
 from ..worker.streams import streams_class
 from .base import Runner
@@ -44,14 +45,20 @@ def for_rank(batch: list, rank: int) -> list:
     for ins in batch:
         t = type(ins)
         if t is Put:
-            shard = ins.shards.get(rank)
-            ins = Put(ins.tid, ins.mesh_id, {} if shard is None else {rank: shard})
+            ins = _put_for_rank(ins, rank)
+        elif t is DefineProgram and ins.constants:
+            ins = attrs.evolve(ins, constants=tuple(_put_for_rank(put, rank) for put in ins.constants))
         elif t is DefinePlan and ins.rank_args:
             mine = ins.rank_args.get(rank)
             ins = DefinePlan(ins.plan_id, ins.mesh_id, ins.target, ins.args, ins.kwargs,
                              {rank: mine} if mine is not None else None, ins.op_name, ins.seeded)
         out.append(ins)
     return out
+
+
+def _put_for_rank(put: Put, rank: int) -> Put:
+    shard = put.shards.get(rank)
+    return Put(put.tid, put.mesh_id, {} if shard is None else {rank: shard})
 
 
 class ProcessRunner(Runner):
@@ -153,7 +160,8 @@ class ProcessRunner(Runner):
     def submit(self, batch) -> None:
         self._raise_if_dead()
         shared = None
-        if not any(type(ins) is Put or (type(ins) is DefinePlan and ins.rank_args) for ins in batch):
+        if not any(type(ins) is Put or (type(ins) is DefinePlan and ins.rank_args)
+                   or (type(ins) is DefineProgram and ins.constants) for ins in batch):
             shared = wire.encode(batch)  # the common case: every rank gets the same bytes
         for rank, sender in enumerate(self.senders):
             data = shared if shared is not None else wire.encode(for_rank(batch, rank))

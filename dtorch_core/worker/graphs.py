@@ -9,8 +9,10 @@ keeps its memory, so the graph updates it where it lives; tensors the program ma
 (``.grad``) live in the graph's memory pool and are rewritten in place by every replay.
 
 Programs that a graph cannot repeat run without one: random ops (their seeds change per replay),
-constants sent from the controller (``Put``), and collectives among several devices (NCCL can be
-captured, but capturing every rank's graph in step is not done or tested yet). A capture that fails (an op that synchronises with the host, say) is
+a ``Put`` in the body (data from the controller; captured programs hold none: the tensors a step
+sent are program constants, on the device since the program was defined, see
+``ir/program.py``), and collectives among several devices (NCCL can be captured, but capturing
+every rank's graph in step is not done or tested yet). A capture that fails (an op that synchronises with the host, say) is
 logged once and the program runs without a graph from then on.
 """
 

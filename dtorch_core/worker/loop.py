@@ -40,7 +40,7 @@ from ..mesh import DeviceMesh, root_coordinate
 from .collectives import CollectiveStep, WorkerCollectives  # noqa: F401  (CollectiveStep: still importable from here)
 from .graphs import replay_graphed
 from .fused import FusedSegment, build_graph, compile_segment, unalias
-from .programs import BindInputs, NameOutputs, WorkerPrograms
+from .programs import BindInputs, BoundConstant, NameOutputs, WorkerPrograms
 from .streams import WorkerStreams
 from .validate import CHECKED, INVALID, PROTOCOL, describe, outputs_of, problem
 
@@ -200,6 +200,8 @@ class Worker(WorkerCollectives, WorkerPrograms):
                 store[tid] = value if value is not None else self._lookup(pid)
             for pid in ins.drop:
                 store.pop(pid, None)
+        elif t is BoundConstant:
+            self.store[ins.tid] = ins.value.clone() if ins.copy else ins.value
         elif t is MergedAllReduce:
             self._merged_all_reduce(ins)
         elif t is FusedSegment:

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import attrs
 
-from ..ir.instructions import Call, DefineProgram, RunProgram, WorkerFailure, program_seed
+from ..ir.instructions import (
+    Call,
+    Constant,
+    DefineProgram,
+    Delete,
+    RunProgram,
+    WorkerFailure,
+    program_seed,
+)
 from .fused import FusedSegment, split
 
 
@@ -28,6 +36,16 @@ class NameOutputs:
     drop: tuple  # program input ids to forget
 
 
+@attrs.frozen
+class BoundConstant:
+    """Worker-local step of a replay: ``tid`` names the program's constant ``value`` (this rank's
+    tensor, on the device), or with ``copy`` a fresh copy of it (the program may write into it)."""
+
+    tid: int
+    value: object
+    copy: bool
+
+
 @attrs.define
 class LoadedProgram:
     instructions: list
@@ -40,11 +58,11 @@ class LoadedProgram:
 class WorkerPrograms:
     """Defining and expanding programs on :class:`~dtorch_core.worker.loop.Worker` (a mixin).
 
-    Uses the worker's ``rank``, ``programs``, ``fused_segments`` and ``_fail``.
+    Uses the worker's ``rank``, ``programs``, ``streams``, ``fused_segments`` and ``_fail``.
     """
 
     def _define_program(self, ins: DefineProgram) -> None:
-        body = list(ins.instructions)
+        body = self._bind_constants(ins)
         if ins.fusable:
             # the same segments on every rank (they depend on the program only): the inline
             # runner steps all ranks through a replay together
@@ -53,6 +71,24 @@ class WorkerPrograms:
         seeded = tuple(i for i, x in enumerate(body) if type(x) is Call and x.seed is not None)
         self.programs[ins.program_id] = LoadedProgram(body, seeded, tuple(ins.inputs), frozenset(ins.outputs),
                                                       tuple(ins.outputs))
+
+    def _bind_constants(self, ins: DefineProgram) -> list:
+        """The body with each Constant step holding this rank's constant, moved to the device now
+        (one copy per program, not per replay); steps for ranks without a shard do nothing."""
+        if not ins.constants:
+            return list(ins.instructions)
+        values = {}
+        for put in ins.constants:
+            shard = put.shards.get(self.rank)
+            if shard is not None:
+                values[put.tid] = self.streams.to_device(shard)
+        body = []
+        for step in ins.instructions:
+            if type(step) is Constant:
+                value = values.get(step.tid)
+                step = BoundConstant(step.tid, value, step.copy) if value is not None else Delete((step.tid,))
+            body.append(step)
+        return body
 
     def expand_program(self, run: RunProgram) -> list:
         """The steps of one replay: bind inputs, the body (fresh seeds), name outputs."""

@@ -21,6 +21,7 @@ import torch
 from ..ir.instructions import (
     Call,
     Collective,
+    Constant,
     DefineMesh,
     DefinePlan,
     DefineProgram,
@@ -127,9 +128,17 @@ _BODY_TYPES = frozenset(_INSTRUCTION_TYPES - {RunProgram, DefineProgram})
 
 
 def _define_program(worker, ins: DefineProgram) -> str | None:
+    constants = set()
+    for i, put in enumerate(ins.constants):
+        bad = _put(worker, put) if type(put) is Put else f"a {type(put).__name__}, not a Put"
+        if bad is not None:
+            return f"program {ins.program_id}: constant {i}: {bad}"
+        constants.add(put.tid)
     for i, step in enumerate(ins.instructions):
         if type(step) not in _BODY_TYPES:
             return f"program {ins.program_id}: step {i} is a {type(step).__name__}, which a program cannot hold"
+        if type(step) is Constant and step.tid not in constants:
+            return f"program {ins.program_id}: step {i} names constant {step.tid!r}, which the program does not hold"
         check = _CHECKS.get(type(step))
         bad = check(worker, step) if check is not None else None
         if bad is not None:

@@ -17,7 +17,8 @@ import torch
 from .. import instructions as _ins
 
 MAGIC = b"DW"
-VERSION = 4  # 2: DefineProgram.fusable; 3: Collective/MergedAllReduce shapes and dtypes; 4: Collective.offset
+VERSION = 5  # 2: DefineProgram.fusable; 3: Collective/MergedAllReduce shapes and dtypes; 4: Collective.offset;
+# 5: DefineProgram.constants and Constant
 KIND_VALUE = 0  # any supported value (control messages)
 KIND_BATCH = 1  # a list of instructions
 KIND_REPLY = 2  # a Reply
@@ -56,6 +57,7 @@ _CLASS_TABLE = (
     (12, "RunProgram"),
     (13, "DropProgram"),
     (14, "MergedAllReduce"),
+    (15, "Constant"),
 )
 
 # Field types checked on decode come from each class's annotations; ``Any`` and unknown names
