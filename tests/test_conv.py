@@ -121,7 +121,7 @@ def test_group_norm_of_shards_laid_out_unlike_the_global_tensor(mesh1d):
     still be strided otherwise (here batch-1 shards written channels-last with a batch stride of
     16, as a VAE's convolutions leave them), and the CPU kernel refuses those: the workers'
     group-norm kernel makes its shard contiguous."""
-    full = torch.randn(4, 16, 8, 8)
+    full = torch.randn(len(mesh1d.ranks), 16, 8, 8)
     # (C, H, W) channels-last, then a batch dim: strides (16, 1, 128, 16)
     shards = {rank: full[i].permute(1, 2, 0).contiguous().permute(2, 0, 1).unsqueeze(0)
               for i, rank in enumerate(mesh1d.ranks)}
