@@ -73,7 +73,8 @@ class AgentCommand:
                             help="how long a stopped worker has between SIGTERM and SIGKILL")
         parser.add_argument("--worker-command", metavar="CMD",
                             help="command line run per rank instead of `dtorch worker`, with the same "
-                                 "--controller/--key-file/--rank arguments appended (for tests)")
+                                 "--controller/--key-file/--rank/--device-index arguments appended "
+                                 "(for tests)")
 
     def run(self, args: argparse.Namespace) -> int:
         from dtorch_core.logging import LEVEL_ENV, configure

@@ -3,7 +3,8 @@
 One session at a time: StartWorkers opens it (a session id, one subprocess per rank), RenewLease
 keeps it, StopWorkers ends it, and a controller that stops renewing loses it: when its lease runs
 out the agent kills the workers (SIGTERM, then SIGKILL after a grace) and is free for the next
-session. Each worker runs in its own process group, so whatever it starts dies with it.
+session. Each worker runs in its own process group, so whatever it starts dies with it, and on
+Linux the kernel kills the workers of an agent that dies without stopping them.
 Workers' stdout and stderr go to ``<log dir>/session-<id>/rank-<R>.log``.
 
 Calls without a valid token (``agent_wire``) are refused with PERMISSION_DENIED and logged with
@@ -34,6 +35,17 @@ MAX_LEASE_S = 3600.0
 DEFAULT_GRACE_S = 5.0
 # how often the lease watchdog looks; a lease ends at most this late
 WATCH_INTERVAL_S = 0.1
+
+
+# exec'd in front of every worker on Linux: the kernel SIGKILLs the worker when the agent dies,
+# even by SIGKILL, when nothing of the agent's can stop it. PR_SET_PDEATHSIG fires when the
+# thread that forked exits: gRPC's handler threads (which fork) live as long as the server.
+_DIE_WITH_AGENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(70)  # the agent died before the prctl\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
 def default_worker_command() -> list[str]:
@@ -225,14 +237,13 @@ class AgentService:
 
     def _spawn(self, controller: str, rank: int, device: int, log_dir: str) -> WorkerProcess:
         command = [*self.worker_command, "--controller", controller, "--key-file", self.key_file,
-                   "--rank", str(rank)]
-        env = dict(os.environ)
-        if self.device_type == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = str(device)  # the worker sees its one device as cuda:0
+                   "--rank", str(rank), "--device-index", str(device)]
+        if sys.platform.startswith("linux"):
+            command = [sys.executable, "-c", _DIE_WITH_AGENT, str(os.getpid()), *command]
         log_path = os.path.join(log_dir, f"rank-{rank}.log")
         with open(log_path, "ab") as out:
             popen = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         return WorkerProcess(rank, device, log_path, popen)
 
     def _current(self, session_id: str) -> Session:
