@@ -1,0 +1,287 @@
+"""The ``remote`` runner: workers on any host, reached over ZMQ (launcher or agent mode).
+
+Launcher mode: ``dt.init(world_size=N, runner="remote", listen="tcp://HOST:PORT",
+key_file=FILE)`` binds and waits for N workers that something else started (torchrun, Slurm,
+Kubernetes) as ``dtorch worker --controller tcp://HOST:PORT --key-file FILE --rank R``. Agent
+mode (``agents=[...]``) asks ``dtorch agent`` services to start those same commands, then waits
+the same way.
+
+The torch.distributed rendezvous of the workers is a TCPStore the controller hosts for the
+session, bound to the listen address's interface on a free port. Its port and a random key
+prefix reach the workers only inside the authenticated ``WELCOME``; workers join through a
+PrefixStore with that prefix, and the store closes at ``dt.shutdown()``. (A TCPStore has no
+authentication of its own: what it holds is rendezvous data only, under an unguessable prefix.)
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import secrets
+import socket
+import time
+from urllib.parse import urlsplit
+
+import structlog
+import torch.distributed as dist
+
+from dtorch_core.comm.kinds import choose_communicator
+from dtorch_core.controller.session import FlushPolicy
+from dtorch_core.controller.settings import setting
+from dtorch_core.errors import ConfigError, WorkerError, WorkerLostError
+from dtorch_core.ir import wire
+from dtorch_core.ir.instructions import DefinePlan, DefineProgram, Put, Reply
+from dtorch_core.runners.base import Runner
+from dtorch_core.runners.process import PROTOCOL, READY, for_rank
+
+from . import frames as fr
+from .controller import ControllerEndpoint
+from .errors import AgentsUnavailableError, AuthenticationError, WorkersMissingError
+from .keys import frame_key, read_key
+
+log = structlog.get_logger(__name__)
+
+GOODBYE = -2  # request id of the reply a worker sends as it exits
+DEFAULT_STARTUP_S = 120.0
+DEFAULT_LEASE_S = 30.0
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """(host, port) of ``tcp://HOST:PORT``; ConfigError otherwise."""
+    parts = urlsplit(address)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or port is None:
+        raise ConfigError(f"{address!r} is not a ZMQ address of the form tcp://HOST:PORT")
+    return parts.hostname, port
+
+
+class RemoteRunner(Runner):
+    name = "remote"
+    collective_hints = True  # the workers' DistExchange moves payloads without headers
+    flush_policy = FlushPolicy(batch_size=256, interval=0.002, when_idle=False, first_batch=4)
+
+    def __init__(self, world_size: int, device_type: str = "cpu", timeout: float = 300.0, *, plugins,
+                 listen: str | None = None, key_file: str | None = None, agents=None,
+                 startup_timeout: float | None = None, heartbeat_timeout: float | None = None,
+                 communicator: str | None = None, dist_backend: str | None = None, lease_s: float | None = None,
+                 **_options):
+        communicator, chosen = choose_communicator(plugins.registry("communicators"), "process", device_type,
+                                                   communicator)
+        super().__init__(world_size, device_type, plugins)
+        self.timeout = timeout
+        self._closing = False
+        self._refused: list[AuthenticationError] = []
+        self._protocol_errors: list = []
+        self._agent_handles: list = []
+        key = read_key(key_file or os.environ.get("DTORCH_KEY_FILE"))
+        agents = _agent_list(agents)
+        listen = listen or os.environ.get("DTORCH_LISTEN") or ("tcp://0.0.0.0:0" if agents else None)
+        if not listen:
+            raise ConfigError("the remote runner needs listen='tcp://HOST:PORT' (or DTORCH_LISTEN) for workers "
+                              "started by a launcher, or agents=[...] (DTORCH_AGENTS)")
+        host, _ = parse_address(listen)
+        startup = setting("startup_timeout", startup_timeout, "DTORCH_STARTUP_TIMEOUT", DEFAULT_STARTUP_S, "seconds")
+        beat = setting("heartbeat_timeout", heartbeat_timeout, "DTORCH_HEARTBEAT_TIMEOUT", 5.0, "seconds")
+        self._store, store_port = _rendezvous_store(host, world_size, timeout)
+        prefix = secrets.token_hex(16)
+        self._welcome = {"world_size": world_size, "store_port": store_port, "store_prefix": prefix,
+                         "device_type": device_type, "communicator": communicator,
+                         "backend": dist_backend or chosen.dist_backend, "timeout": timeout}
+        self._conns: dict = {}
+        self.endpoint = ControllerEndpoint(listen, frame_key(key), world_size, on_hello=self._hello,
+                                           on_reply=self._reply_frame, on_lost=self._lost,
+                                           on_refused=self._refusal, heartbeat_s=beat)
+        self.address = self.endpoint.address
+        try:
+            if agents:
+                self._start_on_agents(agents, key, lease_s or DEFAULT_LEASE_S)
+            self._wait_for_workers(startup)
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info("remote runner up", world_size=world_size, listen=self.address)
+
+    # -- start-up -------------------------------------------------------------------------
+    def _start_on_agents(self, agents: list[str], key: bytes, lease_s: float) -> None:
+        try:
+            from . import agent_client
+        except ImportError:
+            raise AgentsUnavailableError("agents= needs dtorch_zmq.agent_client, which this install does not have; "
+                                         "start the workers yourself and use listen= (launcher mode)") from None
+        address = self.address
+        host, port = parse_address(address)
+        if host in ("0.0.0.0", "*"):  # bound to every interface: tell the agents a name they can reach
+            address = f"tcp://{socket.getfqdn()}:{port}"
+        per = -(-self.world_size // len(agents))  # contiguous blocks of ranks, one per agent
+        for i, agent in enumerate(agents):
+            ranks = list(range(i * per, min(self.world_size, (i + 1) * per)))
+            if ranks:
+                self._agent_handles.append(agent_client.start_workers(
+                    agent, key, address, ranks, lease_s,
+                    on_lost=lambda err, ranks=ranks: self._agent_lost(ranks, err)))
+
+    def _agent_lost(self, ranks, error) -> None:
+        if not self._closing:
+            with self._cond:
+                for rank in ranks:
+                    self._dead.setdefault(rank, f"its agent is lost: {error}")
+                self._cond.notify_all()
+
+    def _wait_for_workers(self, startup: float) -> None:
+        deadline = time.monotonic() + startup
+        next_log = time.monotonic() + 5.0
+        with self._cond:
+            while True:
+                if self._refused:
+                    raise self._refused[0]
+                ready = len(self._replies.get(READY, ()))
+                if self._dead:
+                    self._raise_if_dead()
+                if ready >= self.world_size:
+                    self._replies.pop(READY)
+                    return
+                now = time.monotonic()
+                if now >= deadline:
+                    missing = sorted(set(range(self.world_size)) - {c.rank for c in self._conns.values()})
+                    raise WorkersMissingError(
+                        f"{ready} of {self.world_size} workers ready after {startup:g}s at {self.address}; "
+                        f"never connected: ranks {missing} (start them as `dtorch worker --controller "
+                        f"{self.address} --key-file FILE --rank R`; DTORCH_STARTUP_TIMEOUT sets the wait)")
+                if now >= next_log:
+                    next_log = now + 5.0
+                    log.info("waiting for workers", connected=len(self._conns), ready=ready,
+                             world_size=self.world_size, listen=self.address)
+                self._cond.wait(min(0.2, deadline - now))
+
+    # -- the endpoint's callbacks (its I/O thread) -----------------------------------------
+    def _hello(self, conn) -> None:
+        with self._cond:
+            self._conns[conn.rank] = conn
+        log.info("worker connected", rank=conn.rank, peer=conn.peer, host=conn.host, pid=conn.pid)
+        self.endpoint.send(conn, fr.WELCOME, [json.dumps(dict(self._welcome, rank=conn.rank)).encode()])
+
+    def _reply_frame(self, conn, data) -> None:
+        try:
+            reply = wire.decode(data)
+        except Exception as exc:  # noqa: BLE001 - an authenticated but broken worker
+            self._lost(conn, f"it sent an undecodable reply ({exc})")
+            return
+        if not isinstance(reply, Reply):
+            self._lost(conn, f"it sent {type(reply).__name__} instead of a reply")
+        elif reply.request_id == PROTOCOL:
+            with self._cond:
+                self._protocol_errors.append(reply.error)
+                self._cond.notify_all()
+        else:
+            self._reply(reply)
+
+    def _lost(self, conn, reason: str) -> None:
+        if not self._closing:
+            log.warning("worker lost", rank=conn.rank, reason=reason)
+            with self._cond:
+                self._dead.setdefault(conn.rank, reason)
+                self._cond.notify_all()
+
+    def _refusal(self, peer: str, reason: str) -> None:
+        err = AuthenticationError(f"refused a worker connection from {peer}: {reason}; every worker needs the "
+                                  "controller's key file (--key-file, made by `dtorch keygen`)", peer=peer)
+        with self._cond:
+            self._refused.append(err)
+            self._cond.notify_all()
+
+    # -- the session's calls --------------------------------------------------------------
+    def submit(self, batch) -> None:
+        self._raise_if_dead()
+        shared = None
+        if not any(type(ins) is Put or (type(ins) is DefinePlan and ins.rank_args)
+                   or (type(ins) is DefineProgram and ins.constants) for ins in batch):
+            shared = fr.payload_parts(wire.encode_parts(batch))  # every rank gets the same frames
+        pending = []
+        for rank in range(self.world_size):
+            parts = shared if shared is not None else fr.payload_parts(wire.encode_parts(for_rank(batch, rank)))
+            conn = self._conns[rank]
+            nbytes = sum(memoryview(p).nbytes for p in parts)
+            if not conn.credit.acquire(nbytes, self.timeout, functools.partial(self._gone, conn)):
+                self._lost(conn, f"it took no batch for {self.timeout:g}s (flow-control window full)")
+                break
+            big = len(parts) > 1 or nbytes >= fr.ZERO_COPY_BYTES
+            pending.append(self.endpoint.send(conn, fr.BATCH, parts, zero_copy=big))
+        for out in pending:  # tensor parts alias the caller's tensors: return once ZMQ let go of them
+            if not out.copy and not out.sent.wait(self.timeout):
+                raise WorkerLostError(f"a batch was not sent within {self.timeout:g}s (the network is stuck)")
+        self._raise_if_dead()
+
+    def _gone(self, conn) -> bool:
+        return conn.lost or self._closing
+
+    def _raise_if_dead(self) -> None:
+        if self._dead:
+            rank, reason = min(self._dead.items())
+            raise WorkerLostError(f"worker rank {rank} (remote runner) is lost: {reason}; call dt.shutdown() "
+                                  "and start again")
+
+    def wait_replies(self, request_id: int, count: int, timeout: float) -> list:
+        replies = super().wait_replies(request_id, count, timeout)
+        with self._cond:
+            if self._protocol_errors:
+                f = self._protocol_errors.pop(0)
+                raise WorkerError(f"worker rank {f.rank} rejected a batch: {f.message}", rank=f.rank, op=f.op,
+                                  source=None)
+        return replies
+
+    # -- shutdown -------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Ask every worker to exit and wait (a few seconds) until each said goodbye."""
+        if self._closing:
+            return
+        self._closing = True
+        endpoint = getattr(self, "endpoint", None)
+        if endpoint is not None:
+            live = [c for c in self._conns.values() if not c.lost]
+            for conn in live:
+                endpoint.send(conn, fr.BATCH, [b""])
+            with self._cond:
+                if not self._cond.wait_for(lambda: len(self._replies.get(GOODBYE, ())) >= len(live), 5.0):
+                    log.warning("not every worker said goodbye within 5s", expected=len(live),
+                                got=len(self._replies.get(GOODBYE, ())))
+            endpoint.close()
+        for handle in self._agent_handles:
+            stop = getattr(handle, "stop", None)
+            if stop is not None:
+                try:
+                    stop()
+                except Exception as exc:  # noqa: BLE001 - the lease ends them anyway
+                    log.warning("could not stop an agent's workers", error=repr(exc))
+        self._store = None  # the last reference: the store's server closes
+
+
+def _agent_list(agents) -> list[str]:
+    if agents is None:
+        agents = os.environ.get("DTORCH_AGENTS", "")
+    if isinstance(agents, str):
+        agents = [a.strip() for a in agents.split(",") if a.strip()]
+    return list(agents)
+
+
+def _rendezvous_store(host: str, world_size: int, timeout: float):
+    """A TCPStore server on a free port of ``host``'s interface (all of them for 0.0.0.0 / *)."""
+    bind_host = "" if host in ("*", "0.0.0.0") else host
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bind_host, 0))
+        sock.listen(max(64, world_size * 4))
+        port = sock.getsockname()[1]
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot open the rendezvous store on {host!r}: {exc}") from None
+    store = dist.TCPStore(bind_host or "127.0.0.1", port, None, True, datetime.timedelta(seconds=timeout),
+                          wait_for_workers=False, master_listen_fd=sock.detach())
+    return store, port
+

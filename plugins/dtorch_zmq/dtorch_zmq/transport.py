@@ -1,0 +1,195 @@
+"""The ZMQ transport: a ROUTER socket on the controller, a DEALER socket per worker.
+
+ZMQ sockets are not thread-safe, so each end has one I/O thread that owns its socket
+(:class:`IOLoop`): other threads queue messages and wake it through an inproc pair. High-water
+marks are off (0) and the ROUTER is mandatory-routing, so ZMQ never drops a message; flow
+control is explicit instead: a worker reports how many batches it has taken (``CREDIT``) and the
+controller sends at most :data:`WINDOW_BATCHES` batches (and :data:`WINDOW_BYTES`) ahead of it.
+
+Large tensor parts go as frames of their own with ``copy=False, track=True``: the sender keeps
+the buffers referenced until ZMQ's tracker says they are sent (``IOLoop._in_flight``), and
+``send(..., wait_sent=True)`` returns only then, so the memory a tensor part aliases is neither
+freed nor changed while ZMQ still reads it.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+
+import zmq
+
+WINDOW_BATCHES = 1024
+WINDOW_BYTES = 512 << 20
+PING_EVERY_S = 1.0
+_wake_ids = itertools.count()
+
+
+class Outgoing:
+    """A queued message; ``sent`` is set once ZMQ is done with its buffers."""
+
+    __slots__ = ("copy", "frames", "identity", "sent", "tracker")
+
+    def __init__(self, identity, frames, zero_copy: bool):
+        self.identity = identity
+        self.frames = frames
+        self.copy = not zero_copy
+        self.sent = threading.Event()
+        self.tracker = None
+
+
+class IOLoop:
+    """Owns one socket; sends what other threads queue and hands what arrives to ``on_frames``.
+
+    ``on_frames(frames)`` and ``on_tick(now)`` run on the I/O thread (``on_tick`` every
+    ``tick_s``). ``frames`` are ``zmq.Frame`` objects (no copy of what arrived).
+    """
+
+    def __init__(self, context: zmq.Context, sock: zmq.Socket, on_frames, on_tick, name: str,
+                 tick_s: float = 0.25):
+        self.sock = sock
+        self._on_frames = on_frames
+        self._on_tick = on_tick
+        self._tick_s = tick_s
+        endpoint = f"inproc://dtorch-zmq-wake-{id(self)}-{next(_wake_ids)}"
+        self._wake_rx = context.socket(zmq.PULL)
+        self._wake_rx.bind(endpoint)
+        self._wake_tx = context.socket(zmq.PUSH)
+        self._wake_tx.connect(endpoint)
+        self._wake_lock = threading.Lock()
+        self._outbox: collections.deque = collections.deque()
+        self._in_flight: list[Outgoing] = []
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> IOLoop:
+        self._thread.start()
+        return self
+
+    def send(self, out: Outgoing) -> Outgoing:
+        self._outbox.append(out)
+        with self._wake_lock:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        return out
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop = True
+        try:
+            with self._wake_lock:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        self._thread.join(timeout)
+        for s in (self._wake_tx, self._wake_rx):
+            s.close(0)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        next_tick = time.monotonic()
+        try:
+            while not self._stop:
+                wait_ms = 1 if self._in_flight else max(0, int((next_tick - time.monotonic()) * 1000))
+                events = dict(poller.poll(wait_ms))
+                if self._wake_rx in events:
+                    while True:
+                        try:
+                            self._wake_rx.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                self._flush_outbox()
+                if self.sock in events:
+                    for _ in range(256):  # then look at the outbox again
+                        try:
+                            got = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        self._on_frames(got)
+                self._reap_sent()
+                now = time.monotonic()
+                if now >= next_tick:
+                    next_tick = now + self._tick_s
+                    self._on_tick(now)
+            self._flush_outbox()
+        except BaseException as exc:  # noqa: BLE001 - reported to whoever waits on this end
+            self.error = exc
+            for out in list(self._outbox) + self._in_flight:
+                out.sent.set()
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            out = self._outbox.popleft()
+            head = [out.identity] if out.identity is not None else []
+            try:
+                if out.copy:
+                    self.sock.send_multipart(head + out.frames)
+                    out.sent.set()
+                else:
+                    out.tracker = self.sock.send_multipart(head + out.frames, copy=False, track=True)
+                    self._in_flight.append(out)
+            except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone; the heartbeat reports it
+                out.sent.set()
+
+    def _reap_sent(self) -> None:
+        if self._in_flight:
+            still = []
+            for out in self._in_flight:
+                if out.tracker.done:
+                    out.frames = None  # ZMQ has let go: so can we
+                    out.sent.set()
+                else:
+                    still.append(out)
+            self._in_flight = still
+
+
+class Credit:
+    """The controller's view of how far a worker is behind (explicit flow control)."""
+
+    def __init__(self):
+        self.sent = 0
+        self.taken = 0
+        self._sizes: collections.deque = collections.deque()
+        self._bytes = 0
+        self.cond = threading.Condition()
+
+    def acquire(self, nbytes: int, timeout: float, dead) -> bool:
+        """Wait (up to ``timeout``) until the worker has room for one more batch; False if not."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while (self.sent - self.taken >= WINDOW_BATCHES
+                   or (self._bytes + nbytes > WINDOW_BYTES and self.sent > self.taken)):
+                left = deadline - time.monotonic()
+                if left <= 0 or dead():
+                    return False
+                self.cond.wait(min(left, 0.5))
+            self.sent += 1
+            self._sizes.append(nbytes)
+            self._bytes += nbytes
+            return True
+
+    def taken_upto(self, count: int) -> None:
+        with self.cond:
+            while self.taken < min(count, self.sent):
+                self.taken += 1
+                self._bytes -= self._sizes.popleft()
+            self.cond.notify_all()
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+
+def new_context() -> zmq.Context:
+    return zmq.Context(io_threads=1)
+
+
+def quiet_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.SNDHWM, 0)  # no high-water-mark drops: Credit bounds what is queued
+    s.setsockopt(zmq.RCVHWM, 0)
+    s.setsockopt(zmq.LINGER, 0)
+    return s
