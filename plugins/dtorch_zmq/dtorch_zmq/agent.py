@@ -50,6 +50,20 @@ def _count(text: str) -> int:
     return int(text)
 
 
+def _read_tls(cert_file: str | None, key_file: str | None) -> tuple[bytes, bytes] | None:
+    if cert_file is None and key_file is None:
+        return None
+    if cert_file is None or key_file is None:
+        raise ConfigError("--tls-cert and --tls-key go together (a certificate and its private key)")
+    try:
+        with open(key_file, "rb") as f:
+            private_key = f.read()
+        with open(cert_file, "rb") as f:
+            return private_key, f.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the TLS files: {exc}") from None
+
+
 class AgentCommand:
     help = "run the node agent: a gRPC service that starts workers for authenticated controllers"
 
@@ -71,6 +85,10 @@ class AgentCommand:
                             help="where the workers' logs go (default: a new temporary directory)")
         parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                             help="how long a stopped worker has between SIGTERM and SIGKILL")
+        parser.add_argument("--tls-cert", metavar="FILE",
+                            help="serve over TLS with this certificate chain (PEM); controllers then "
+                                 "need DTORCH_AGENT_TLS_CA naming the CA that signed it")
+        parser.add_argument("--tls-key", metavar="FILE", help="the TLS certificate's private key (PEM)")
         parser.add_argument("--worker-command", metavar="CMD",
                             help="command line run per rank instead of `dtorch worker`, with the same "
                                  "--controller/--key-file/--rank/--device-index arguments appended "
@@ -82,13 +100,14 @@ class AgentCommand:
         if not os.environ.get(LEVEL_ENV):
             configure("info")  # a daemon: its log of sessions and refusals is the point
         key = read_key(args.key_file)
+        tls = _read_tls(args.tls_cert, args.tls_key)
         devices, device_type = local_devices(args.devices)
         log_dir = args.log_dir or tempfile.mkdtemp(prefix="dtorch-agent-")
         worker_command = shlex.split(args.worker_command) if args.worker_command else None
         service = AgentService(key=key, key_file=args.key_file, devices=devices, device_type=device_type,
                                log_dir=log_dir, worker_command=worker_command, grace_s=args.grace)
         try:
-            server, port, health_servicer = serve(args.listen, service)
+            server, port, health_servicer = serve(args.listen, service, tls=tls)
         except OSError as exc:
             service.close()
             raise ConfigError(f"--listen {args.listen}: {exc}") from None
@@ -96,7 +115,7 @@ class AgentCommand:
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        print(f"dtorch agent listening on {host}:{port} (devices: {devices} {device_type}; "
+        print(f"dtorch agent listening on {host}:{port} ({'TLS; ' if tls else ''}devices: {devices} {device_type}; "
               f"worker logs: {log_dir})", flush=True)
         log.info("agent serving", listen=f"{host}:{port}", devices=devices, device_type=device_type,
                  log_dir=log_dir)

@@ -9,6 +9,7 @@ holding the session (:class:`AgentSessionLostError`).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -17,13 +18,15 @@ import attrs
 import grpc
 import structlog
 
-from dtorch_core.errors import DTorchError, WorkerLostError
+from dtorch_core.errors import ConfigError, DTorchError, WorkerLostError
 
 from . import agent_wire
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0
+# names the CA certificate (PEM) of agents started with --tls-cert; without it calls are plaintext
+TLS_CA_ENV = "DTORCH_AGENT_TLS_CA"
 
 
 class AgentError(DTorchError):
@@ -77,13 +80,26 @@ class WorkerStatus:
 
 
 class AgentClient:
-    """Authenticated calls to one agent; each either answers within ``timeout_s`` or raises."""
+    """Authenticated calls to one agent; each either answers within ``timeout_s`` or raises.
 
-    def __init__(self, address: str, key: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+    Over TLS when ``tls_ca_file`` (default ``$DTORCH_AGENT_TLS_CA``) names the CA certificate
+    that signed the agent's (its name must match the host in ``address``)."""
+
+    def __init__(self, address: str, key: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 tls_ca_file: str | None = None):
         self.address = address
         self.timeout_s = timeout_s
         self._agent_key = agent_wire.derive_agent_key(key)
-        self._channel = grpc.insecure_channel(address, options=agent_wire.CHANNEL_OPTIONS)
+        tls_ca_file = tls_ca_file or os.environ.get(TLS_CA_ENV) or None
+        if tls_ca_file is None:
+            self._channel = grpc.insecure_channel(address, options=agent_wire.CHANNEL_OPTIONS)
+        else:
+            try:
+                with open(tls_ca_file, "rb") as f:
+                    credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+            except OSError as exc:
+                raise ConfigError(f"cannot read the agents' TLS CA certificate ({TLS_CA_ENV}): {exc}") from None
+            self._channel = grpc.secure_channel(address, credentials, options=agent_wire.CHANNEL_OPTIONS)
         self._calls = {m: self._channel.unary_unary(agent_wire.method_path(m)) for m in agent_wire.METHODS}
 
     def call(self, method: str, request: dict, *, timeout_s: float | None = None) -> dict:
@@ -189,12 +205,12 @@ class AgentSession:
 
 
 def start_workers(agent_address: str, key: bytes, controller_address: str, ranks, lease_s: float,
-                  device_indices=None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  device_indices=None, *, timeout_s: float = DEFAULT_TIMEOUT_S, tls_ca_file: str | None = None,
                   on_lost: Callable[[AgentError], None] | None = None) -> AgentSession:
     """Ask the agent at ``agent_address`` to start one worker per rank in ``ranks`` (on
     ``device_indices`` of its node, default 0, 1, ...), connecting to ``controller_address``,
     kept alive while the lease of ``lease_s`` seconds is renewed (the returned session does that)."""
-    client = AgentClient(agent_address, key, timeout_s=timeout_s)
+    client = AgentClient(agent_address, key, timeout_s=timeout_s, tls_ca_file=tls_ca_file)
     request = {"controller": controller_address, "ranks": [int(r) for r in ranks], "lease_s": float(lease_s),
                "device_indices": None if device_indices is None else [int(d) for d in device_indices]}
     try:
@@ -205,9 +221,10 @@ def start_workers(agent_address: str, key: bytes, controller_address: str, ranks
     return AgentSession(client, started, on_lost=on_lost)
 
 
-def agent_info(agent_address: str, key: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+def agent_info(agent_address: str, key: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+               tls_ca_file: str | None = None) -> dict:
     """The agent's description: ``devices``, ``device_type``, ``log_dir``, ``busy``, ``pid``."""
-    client = AgentClient(agent_address, key, timeout_s=timeout_s)
+    client = AgentClient(agent_address, key, timeout_s=timeout_s, tls_ca_file=tls_ca_file)
     try:
         return client.call("Status", {})["agent"]
     finally:

@@ -289,15 +289,20 @@ def _snake(name: str) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
 
 
-def serve(listen: str, service: AgentService, *, threads: int = 8) -> tuple[grpc.Server, int, health.HealthServicer]:
+def serve(listen: str, service: AgentService, *, tls: tuple[bytes, bytes] | None = None,
+          threads: int = 8) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Start a gRPC server on ``listen`` (HOST:PORT; port 0 picks one) with ``service`` and the
-    health service; returns the server, the bound port and the health servicer."""
+    health service, over TLS when ``tls`` is (private key PEM, certificate chain PEM); returns
+    the server, the bound port and the health servicer."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dtorch-agent"))
     server.add_generic_rpc_handlers((service.generic_handler(),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        port = server.add_insecure_port(listen)
+        if tls is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, grpc.ssl_server_credentials([tls]))
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {listen}: {exc}") from None
     if port == 0:

@@ -29,9 +29,12 @@ TOKEN_WINDOW_S = 60.0
 # the agent key is derived, not the raw key, so the same key file can also sign ZMQ frames
 # without one use's MACs ever being valid for the other
 _DERIVATION_LABEL = b"dtorch agent token v1"
-# the client never lets gRPC reach for an HTTP proxy: only the agent's own address is contacted
+# the client never lets gRPC reach for an HTTP proxy: only the agent's own address is contacted;
+# each channel keeps its own connections (gRPC shares them, and their reconnect back-off, across
+# a process's channels by default), and a lost agent is tried again within 2 s
 CHANNEL_OPTIONS = (
     ("grpc.enable_http_proxy", 0),
+    ("grpc.use_local_subchannel_pool", 1),
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),

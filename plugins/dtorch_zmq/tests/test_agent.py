@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,13 +40,14 @@ GRACE_S = 1.0
 class Agent:
     """A `dtorch agent` subprocess; its structlog output goes to ``log_path``."""
 
-    def __init__(self, tmp_path, key_file: str, devices: int = 4):
+    def __init__(self, tmp_path, key_file: str, devices: int = 4, listen: str = "127.0.0.1:0",
+                 extra: tuple[str, ...] = ()):
         self.log_path = tmp_path / f"agent-{time.monotonic_ns()}.log"
         self.worker_logs = tmp_path / "worker-logs"
         env = dict(os.environ, DTORCH_LOG_LEVEL="info", NO_COLOR="1")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dtorch_core.cli", "agent", "--listen", "127.0.0.1:0",
+                [sys.executable, "-m", "dtorch_core.cli", "agent", "--listen", listen, *extra,
                  "--key-file", key_file, "--devices", str(devices), "--log-dir", str(self.worker_logs),
                  "--grace", str(GRACE_S), "--worker-command", STAND_IN_WORKER],
                 stdout=subprocess.PIPE, stderr=log, env=env, text=True)
@@ -231,7 +233,8 @@ def test_lease_expiry_kills_workers_and_a_new_session_follows(agent, key_file, s
     second.stop(grace_s=GRACE_S)
 
 
-def test_killed_agent_gives_typed_errors_within_seconds(own_agent, key_file, spawned_pids):
+def test_killed_agent_gives_typed_errors_within_seconds_and_a_restarted_one_serves(
+        own_agent, tmp_path, key_file, spawned_pids):
     agent = own_agent
     key = read_key(key_file)
     lost = []
@@ -250,6 +253,17 @@ def test_killed_agent_gives_typed_errors_within_seconds(own_agent, key_file, spa
     assert agent.address in str(lost[0])
     with pytest.raises(AgentUnreachableError):
         start_workers(agent.address, key, CONTROLLER, ranks=[0], lease_s=5)
+    restarted = Agent(tmp_path, key_file, listen=agent.address)
+    try:
+        # a new client: the old one's channel is in its reconnect back-off (up to 2 s)
+        with pytest.raises(AgentSessionLostError, match="did the agent restart"):
+            AgentClient(restarted.address, key).call("Status", {"session_id": session.session_id})
+        second = start_workers(restarted.address, key, CONTROLLER, ranks=[0], lease_s=5)
+        spawned_pids.extend(w.pid for w in second.workers)
+        assert all(w.alive for w in second.status())
+        second.stop(grace_s=GRACE_S)
+    finally:
+        restarted.stop()
 
 
 def test_agent_sigterm_stops_its_workers(own_agent, key_file, spawned_pids):
@@ -280,3 +294,24 @@ def test_agent_help_through_the_cli():
 
 def test_default_worker_command_is_dtorch_worker():
     assert default_worker_command() == [sys.executable, "-m", "dtorch_core.cli", "worker"]
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_agent(tmp_path, key_file, spawned_pids):
+    cert, private_key = tmp_path / "agent.crt", tmp_path / "agent.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(private_key), "-out", str(cert)], check=True, capture_output=True)
+    agent = Agent(tmp_path, key_file, extra=("--tls-cert", str(cert), "--tls-key", str(private_key)))
+    try:
+        key = read_key(key_file)
+        session = start_workers(agent.address, key, CONTROLLER, ranks=[0], lease_s=10, tls_ca_file=str(cert))
+        spawned_pids.extend(w.pid for w in session.workers)
+        assert [w.alive for w in session.status()] == [True]
+        assert not any(w.alive for w in session.stop(grace_s=GRACE_S))
+        start = time.monotonic()
+        with pytest.raises(AgentUnreachableError, match=re.escape(agent.address)):
+            agent_info(agent.address, key, timeout_s=3)  # plaintext to a TLS agent
+        assert time.monotonic() - start < 4
+    finally:
+        agent.stop()
