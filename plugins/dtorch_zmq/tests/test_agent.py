@@ -7,6 +7,7 @@ with stand-in workers that only sleep (the arguments `dtorch worker` gets are ap
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -28,11 +29,22 @@ from dtorch_zmq.agent_client import (
     agent_info,
     start_workers,
 )
-from dtorch_zmq.agent_service import default_worker_command
+from dtorch_zmq.agent_service import (
+    WorkerProcess,
+    default_worker_command,
+    stop_processes,
+)
 from dtorch_zmq.keys import read_key, write_key
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-STAND_IN_WORKER = f"{sys.executable} -c 'import time; time.sleep(60)'"
+# prints its arguments (to its log), then sleeps; rank 99 fails at once with exit code 3
+STAND_IN_SCRIPT = (
+    "import sys, time; rank = int(sys.argv[sys.argv.index('--rank') + 1]); "
+    "print('stand-in worker', *sys.argv[1:], flush=True); "
+    "sys.exit(3) if rank == 99 else time.sleep(60)"
+)
+STAND_IN_WORKER = f'{sys.executable} -c "{STAND_IN_SCRIPT}"'
+FAILING_RANK = 99
 CONTROLLER = "tcp://127.0.0.1:1"  # never contacted: the stand-in workers only sleep
 GRACE_S = 1.0
 
@@ -162,6 +174,37 @@ def test_start_status_stop_leaves_no_process(agent, key_file, spawned_pids):
     assert not any(_alive(w.pid) for w in workers)
     assert agent_info(agent.address, read_key(key_file))["busy"] is False
     assert "agent stopped a session" in agent.log()
+
+
+def test_status_reports_a_failed_worker_and_logs_per_rank(agent, key_file, spawned_pids):
+    session = start_workers(agent.address, read_key(key_file), CONTROLLER, ranks=[0, FAILING_RANK], lease_s=10)
+    spawned_pids.extend(w.pid for w in session.workers)
+    _wait_until(lambda: not session.status()[1].alive, timeout_s=10)
+    healthy, failed = session.status()
+    assert (healthy.rank, healthy.alive, healthy.exit_code) == (0, True, None)
+    assert (failed.rank, failed.alive, failed.exit_code) == (FAILING_RANK, False, 3)
+    for w in (healthy, failed):
+        log = pathlib.Path(w.log)
+        _wait_until(lambda log=log: "stand-in worker" in log.read_text(), timeout_s=10)
+        assert f"--rank {w.rank} --device-index {w.device}" in log.read_text()
+    stopped = session.stop(grace_s=GRACE_S)
+    assert [w.exit_code for w in stopped] == [-signal.SIGTERM, 3]
+
+
+def test_stop_escalates_to_sigkill_for_the_whole_process_group(tmp_path):
+    # a worker that ignores SIGTERM and has a child of its own
+    script = ("import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              "print(child.pid, flush=True); time.sleep(60)")
+    popen = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    child_pid = int(_read_line(popen.stdout, timeout_s=30))
+    worker = WorkerProcess(rank=0, device=0, log_path=str(tmp_path / "unused.log"), popen=popen)
+    start = time.monotonic()
+    stop_processes([worker], grace_s=0.5)
+    assert 0.5 <= time.monotonic() - start < 5
+    assert popen.returncode == -signal.SIGKILL
+    _wait_until(lambda: not _alive(child_pid), timeout_s=5)
 
 
 def test_wrong_key_is_refused_and_logged(agent, key_file):
