@@ -66,7 +66,8 @@ class ControllerEndpoint:
 
             raise ConfigError(f"listen={address!r}: cannot bind ({exc}); use tcp://HOST:PORT with a free port") from None
         self.address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.loop = IOLoop(self.context, sock, self._received, self._tick, "dtorch-zmq-controller")
+        self.loop = IOLoop(self.context, sock, self._received, self._tick, "dtorch-zmq-controller",
+                           on_error=self._loop_died)
         self.loop.start()
 
     # -- sending (any thread) -------------------------------------------------------------
@@ -148,6 +149,12 @@ class ControllerEndpoint:
         conn.lost = True
         conn.credit.wake()
         self._on_lost(conn, reason)
+
+    def _loop_died(self, exc: BaseException) -> None:
+        log.error("the controller's ZMQ thread failed", error=repr(exc))
+        for conn in list(self.by_rank.values()):
+            if not conn.lost:
+                self._lose(conn, f"the controller's connection thread failed ({exc!r})")
 
     def close(self) -> None:
         self.loop.stop()

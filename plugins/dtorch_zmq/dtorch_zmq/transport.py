@@ -48,10 +48,11 @@ class IOLoop:
     """
 
     def __init__(self, context: zmq.Context, sock: zmq.Socket, on_frames, on_tick, name: str,
-                 tick_s: float = 0.25):
+                 tick_s: float = 0.25, on_error=None):
         self.sock = sock
         self._on_frames = on_frames
         self._on_tick = on_tick
+        self._on_error = on_error  # on_error(exc): this loop died (a bug): its end cannot go on
         self._tick_s = tick_s
         endpoint = f"inproc://dtorch-zmq-wake-{id(self)}-{next(_wake_ids)}"
         self._wake_rx = context.socket(zmq.PULL)
@@ -119,6 +120,8 @@ class IOLoop:
             self.error = exc
             for out in list(self._outbox) + self._in_flight:
                 out.sent.set()
+            if self._on_error is not None:
+                self._on_error(exc)
 
     def _flush_outbox(self) -> None:
         while self._outbox:

@@ -67,7 +67,8 @@ class WorkerEndpoint:
         sock = quiet_socket(self.context, zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 2000)  # the goodbye must leave before the process does
         sock.connect(address)
-        self.loop = IOLoop(self.context, sock, self._received, self._tick, "dtorch-zmq-worker")
+        self.loop = IOLoop(self.context, sock, self._received, self._tick, "dtorch-zmq-worker",
+                           on_error=self._loop_died)
         hello = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
         self.send(fr.HELLO, [json.dumps(hello).encode()])  # first: it takes sequence number 0
         self.loop.start()
@@ -109,6 +110,10 @@ class WorkerEndpoint:
             what = "was silent" if self.welcomed else "did not answer"
             _say(f"dtorch worker (pid {os.getpid()}): the controller at {self.address} {what} for {silent:.0f}s; exiting")
             os._exit(CONTROLLER_GONE)
+
+    def _loop_died(self, exc: BaseException) -> None:
+        _say(f"dtorch worker (pid {os.getpid()}): its connection thread failed ({exc!r}); exiting")
+        os._exit(CONTROLLER_GONE)
 
     def close(self) -> None:
         self.loop.stop()
