@@ -271,7 +271,10 @@ class AgentService:
             log.warning("agent lease expired: killing the session's workers", session=session.id,
                         controller=session.controller, lease_s=session.lease_s,
                         pids=[w.popen.pid for w in session.workers])
-            stop_processes(session.workers, self.grace_s)
+            try:
+                stop_processes(session.workers, self.grace_s)
+            except Exception:  # the watchdog must outlive one failed stop
+                log.exception("agent could not stop an expired session's workers", session=session.id)
 
     def close(self) -> None:
         """Stop the watchdog and the current session's workers (the agent is going away)."""

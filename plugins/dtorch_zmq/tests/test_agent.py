@@ -1,7 +1,8 @@
 """The node agent (`dtorch agent`) and its client, on 127.0.0.1 only.
 
-Each test starts the agent as a subprocess through the `dtorch` CLI on a port it picks (port 0),
-with stand-in workers that only sleep (the arguments `dtorch worker` gets are appended).
+Tests start the agent as a subprocess through the `dtorch` CLI on a port it picks (port 0), with
+stand-in workers that only print their arguments and sleep (they get what `dtorch worker` would);
+the key file is conftest's. dt.init(agents=...) with real workers is test_agent_mode.py.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from dtorch_zmq.agent_service import (
     default_worker_command,
     stop_processes,
 )
-from dtorch_zmq.keys import read_key, write_key
+from dtorch_zmq.keys import read_key
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 # prints its arguments (to its log), then sleeps; rank 99 fails at once with exit code 3
@@ -53,7 +54,7 @@ class Agent:
     """A `dtorch agent` subprocess; its structlog output goes to ``log_path``."""
 
     def __init__(self, tmp_path, key_file: str, devices: int = 4, listen: str = "127.0.0.1:0",
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = ("--worker-command", STAND_IN_WORKER)):
         self.log_path = tmp_path / f"agent-{time.monotonic_ns()}.log"
         self.worker_logs = tmp_path / "worker-logs"
         env = dict(os.environ, DTORCH_LOG_LEVEL="info", NO_COLOR="1")
@@ -61,7 +62,7 @@ class Agent:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dtorch_core.cli", "agent", "--listen", listen, *extra,
                  "--key-file", key_file, "--devices", str(devices), "--log-dir", str(self.worker_logs),
-                 "--grace", str(GRACE_S), "--worker-command", STAND_IN_WORKER],
+                 "--grace", str(GRACE_S)],
                 stdout=subprocess.PIPE, stderr=log, env=env, text=True)
         line = _read_line(self.proc.stdout, timeout_s=60)
         match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
@@ -100,13 +101,6 @@ def _wait_until(condition, timeout_s: float) -> float:
         assert time.monotonic() - start < timeout_s, f"not within {timeout_s} s"
         time.sleep(0.05)
     return time.monotonic() - start
-
-
-@pytest.fixture(scope="module")
-def key_file(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("key") / "key")
-    write_key(path)
-    return path
 
 
 @pytest.fixture
@@ -345,7 +339,8 @@ def test_tls_agent(tmp_path, key_file, spawned_pids):
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
                     "-keyout", str(private_key), "-out", str(cert)], check=True, capture_output=True)
-    agent = Agent(tmp_path, key_file, extra=("--tls-cert", str(cert), "--tls-key", str(private_key)))
+    agent = Agent(tmp_path, key_file, extra=("--tls-cert", str(cert), "--tls-key", str(private_key),
+                                             "--worker-command", STAND_IN_WORKER))
     try:
         key = read_key(key_file)
         session = start_workers(agent.address, key, CONTROLLER, ranks=[0], lease_s=10, tls_ca_file=str(cert))
@@ -358,3 +353,4 @@ def test_tls_agent(tmp_path, key_file, spawned_pids):
         assert time.monotonic() - start < 4
     finally:
         agent.stop()
+
