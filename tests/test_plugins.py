@@ -353,7 +353,8 @@ def test_disable_plugins_removes_a_builtin(fresh_plugins):
     reset_plugins()
     loaded = get_plugins()
     assert "dtorch.cli" not in dict(loaded.describe())
-    assert loaded.registry("cli_commands").names() == []
+    # the builtin commands are gone; an installed plugin (dtorch_zmq: agent, keygen, worker) still adds its own
+    assert not {"info", "run"} & set(loaded.registry("cli_commands").names())
     assert "dtorch.ops" in dict(loaded.describe())
 
 
