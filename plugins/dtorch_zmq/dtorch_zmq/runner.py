@@ -117,9 +117,8 @@ class RemoteRunner(Runner):
         host, port = parse_address(address)
         if host in ("0.0.0.0", "*"):  # bound to every interface: tell the agents a name they can reach
             address = f"tcp://{socket.getfqdn()}:{port}"
-        per = -(-self.world_size // len(agents))  # contiguous blocks of ranks, one per agent
-        for i, agent in enumerate(agents):
-            ranks = list(range(i * per, min(self.world_size, (i + 1) * per)))
+        placed = place_ranks(self.world_size, [agent_client.agent_info(a, key)["devices"] for a in agents], agents)
+        for agent, ranks in zip(agents, placed):
             if ranks:
                 self._agent_handles.append(agent_client.start_workers(
                     agent, key, address, ranks, lease_s,
@@ -258,6 +257,18 @@ class RemoteRunner(Runner):
                 except Exception as exc:  # noqa: BLE001 - the lease ends them anyway
                     log.warning("could not stop an agent's workers", error=repr(exc))
         self._store = None  # the last reference: the store's server closes
+
+
+def place_ranks(world_size: int, devices: list[int], agents: list[str]) -> list[list[int]]:
+    """Contiguous blocks of ranks, one per agent, each at most its devices, filled in order."""
+    if sum(devices) < world_size:
+        raise ConfigError(f"world_size={world_size} needs more devices than the agents have: "
+                          + ", ".join(f"{a}: {d}" for a, d in zip(agents, devices)))
+    placed, start = [], 0
+    for d in devices:
+        placed.append(list(range(start, min(world_size, start + d))))
+        start = min(world_size, start + d)
+    return placed
 
 
 def _agent_list(agents) -> list[str]:

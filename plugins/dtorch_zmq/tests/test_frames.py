@@ -9,6 +9,9 @@ import pytest
 import zmq
 from dtorch_zmq import frames as fr
 from dtorch_zmq.controller import ControllerEndpoint
+from dtorch_zmq.runner import place_ranks
+
+from dtorch_core.errors import ConfigError
 
 KEY = b"k" * 32
 
@@ -58,3 +61,10 @@ def test_a_client_without_the_key_is_refused_and_named():
         stranger.close()
         ctx.term()
         endpoint.close()
+
+
+def test_ranks_fill_the_agents_devices_in_order():
+    assert place_ranks(5, [2, 4], ["a", "b"]) == [[0, 1], [2, 3, 4]]
+    assert place_ranks(2, [4, 4], ["a", "b"]) == [[0, 1], []]
+    with pytest.raises(ConfigError, match="a: 1, b: 1"):
+        place_ranks(3, [1, 1], ["a", "b"])
