@@ -245,3 +245,26 @@ def train(model, batches, opt_factory, loss_fn, steps, *, clip=None):
         opt.step()
         losses.append(loss.full_tensor().item() if isinstance(loss, dt.DTensor) else loss.item())
     return losses
+
+
+def run_ranks(target, args_of_rank, world: int) -> None:
+    """Run ``target(*args_of_rank(rank), errors)`` in ``world`` spawned processes; fail naming
+    the ranks that hung (2 minutes) and the tracebacks the ranks put on ``errors``."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    procs = [ctx.Process(target=target, args=(*args_of_rank(r), errors), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    assert not alive, f"ranks hung: {[procs.index(p) for p in alive]}"
+    assert not failures, "\n".join(failures)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

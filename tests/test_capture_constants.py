@@ -23,7 +23,7 @@ from dtorch_core.worker.graphs import graphable
 from dtorch_core.worker.programs import BoundConstant, LoadedProgram
 
 from .helpers import DEVICE, WORLD_SIZE, assert_close
-from .test_graphs import GraphStreams
+from .test_graphs import graph_workers  # noqa: F401 - the fixture, shared
 
 CLOSED_OVER = torch.randn(8)
 
@@ -134,21 +134,9 @@ def test_writes_into_a_constant_do_not_reach_the_next_replay(mesh1d):
     assert all(s.copy for s in program.instructions if type(s) is Constant)
 
 
-@pytest.fixture
-def graph_workers(runner):
-    workers = thread_workers()
-    saved = [w.streams for w in workers]
-    for w in workers:
-        w.streams = GraphStreams(w.device)
-        w.graphs.clear()
-    yield workers
-    for w, s in zip(workers, saved):
-        w.streams = s
-
-
 @pytest.mark.parametrize("_runner_name", ["thread"], indirect=True)
 @pytest.mark.parametrize("step", ["scaled", "written_into"])
-def test_a_step_with_constants_replays_through_the_device_graph(graph_workers, step):
+def test_a_step_with_constants_replays_through_the_device_graph(graph_workers, step):  # noqa: F811 - the fixture
     mesh = dt.init_device_mesh(DEVICE, (1,))  # device graphs: no collective among several devices
     kept = types.SimpleNamespace()  # an object argument (a dict would be flattened into the guard)
     if step == "scaled":

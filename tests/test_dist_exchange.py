@@ -13,7 +13,6 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dtorch_core.comm.collectives import combine_one
 from dtorch_core.comm.dist import DistExchange
@@ -21,6 +20,8 @@ from dtorch_core.spec import local_shapes
 from dtorch_core.ir.instructions import Collective, DefineMesh, Fetch, MergedAllReduce, Reply, Stats, WorkerFailure
 from dtorch_core.placement import Partial, Replicate, Shard
 from dtorch_core.worker.loop import CollectiveStep, Worker
+
+from .helpers import run_ranks
 
 WORLD = 4
 MESH_1D = (0, (4,))
@@ -147,23 +148,7 @@ def _entry(rank: int, store_file: str, native: bool, errors) -> None:
 
 @pytest.mark.parametrize("native", [False, True], ids=["gathered", "native"])
 def test_every_kind_over_uneven_shards_between_processes(native, tmp_path):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    store = str(tmp_path / "store")
-    procs = [ctx.Process(target=_entry, args=(r, store, native, errors), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not alive, f"ranks hung: {[procs.index(p) for p in alive]}"
-    assert not failures, "\n".join(failures)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_ranks(_entry, lambda r: (r, str(tmp_path / "store"), native), WORLD)
 
 
 class _Poisoned:

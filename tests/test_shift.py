@@ -13,7 +13,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torch.multiprocessing as mp
 
 import dtorch_core as dt
 from dtorch_core.comm.collectives import combine_all, combine_one
@@ -22,7 +21,7 @@ from dtorch_core.ir import wire
 from dtorch_core.ir.instructions import Collective, WorkerFailure
 from dtorch_core.worker.collectives import CollectiveStep
 
-from .helpers import MESH_2D, WORLD_SIZE, P, S, assert_close
+from .helpers import MESH_2D, WORLD_SIZE, P, S, assert_close, run_ranks
 
 # (global shape, placements, shifts, dims): rolls by whole shards of an evenly sharded dim
 ROLLS = [
@@ -191,19 +190,5 @@ def _entry(rank: int, store_file: str, errors) -> None:
 
 
 def test_dist_shift_over_uneven_shapes_between_processes(tmp_path):
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_entry, args=(r, str(tmp_path / "store"), errors), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    assert not alive, f"ranks hung: {[procs.index(p) for p in alive]}"
-    assert not failures, "\n".join(failures)
+    run_ranks(_entry, lambda r: (r, str(tmp_path / "store")), WORLD)
 
