@@ -7,17 +7,22 @@ layout). Each stream is padded at its end to ``n * ceil(seq / n)`` (each rank pa
 no data moves, see dtorch_core's constant_pad rule), and laid out as ``n`` blocks along a leading
 dim: rank i holds block i, the streams' blocks side by side, in the (batch, heads, tokens,
 head_dim) layout of the attention kernels with batch and block as one leading dim. Then ``n``
-steps: each rank attends its query block to the key/value block it holds (the CPU flash kernel,
-which returns the log-sum-exp), merges the partial output with the running one through the
+steps: each rank attends its query block to the key/value block it holds (a kernel that returns
+the log-sum-exp: :func:`_attend`), merges the partial output with the running one through the
 log-sum-exp (online softmax, in fp32), and the key/value blocks move one rank round the ring (a
 ``torch.roll`` by one block, which dtorch_core plans as one ``shift`` collective: each rank sends
 one block to its neighbour and receives one). Padded keys are masked with an additive bias;
 padded queries are cropped at the end. Keys and values are never gathered.
 
 Backward (:class:`_RingAttention`) is the ring again: the key/value blocks travel with their
-gradient accumulators, each step adds the flash kernel's gradient of the local queries against
+gradient accumulators, each step adds the kernel's gradient of the local queries against
 the visiting block (computed from the final output and log-sum-exp, so each block's share is
 exact), and after ``n`` steps the accumulators are home.
+
+Kernels, by the tensors' device: on the CPU the flash kernel (it takes a broadcast bias), on CUDA
+the memory-efficient one (CUDA's flash kernel takes no bias; this one takes it only in the full
+(batch, heads, queries, keys) shape, so the bias is expanded, a view; its log-sum-exp is padded
+to a multiple of 32 queries, so it is cropped for the merge and padded back for the backward).
 
 Heads split over "tp" stay split: the block layout keeps the heads dim, and every kernel runs on
 the local heads.
@@ -62,10 +67,10 @@ def ring_attention(queries, keys, values, mesh_dim: int, scale: float | None = N
     stream, each sequence-sharded on ``mesh_dim``): the queries of every stream attend to the
     keys of all of them. Returns one output per stream, laid out as its queries."""
     mesh = queries[0].device_mesh
-    if queries[0].device.type != "cpu":
+    if queries[0].device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
-            "dtorch_hf's ring attention runs the CPU flash kernel so far (it needs the log-sum-exp); "
-            "use sp_mode='ulysses' on GPUs")
+            f"dtorch_hf's ring attention has kernels for CPU and CUDA tensors, not {queries[0].device.type}; "
+            "use sp_mode='ulysses'")
     n = mesh.size(mesh_dim)
     lengths = [q.shape[SEQ] for q in queries]
     blocks = [-(-s // n) for s in lengths]
@@ -117,6 +122,43 @@ def _pass_on(x):
     return torch.roll(x, -1, 2)
 
 
+def _attend(q, k, v, bias, scale):
+    """Attention of query blocks to key/value blocks ((batch, heads, tokens, dim)): the output,
+    its fp32 log-sum-exp (batch, heads, queries), and what :func:`_attend_backward` needs besides
+    (CUDA: the RNG state, unused without dropout, and the kernel's log-sum-exp width)."""
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        return out, lse, None
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+        q, k, v, _full_bias(bias, q, k), True, 0.0, False, scale=scale)
+    return out, lse[..., :q.shape[2]], (seed, offset, lse.shape[-1])
+
+
+def _attend_backward(grad_out, q, k, v, bias, out, lse, state, scale):
+    """Gradients of :func:`_attend` for query, key and value, from the final (merged) output and
+    log-sum-exp: each key/value block's exact share."""
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, False, attn_mask=bias, scale=scale)
+    seed, offset, _ = state
+    grad_q, grad_k, grad_v, _ = aten._scaled_dot_product_efficient_attention_backward(
+        grad_out, q, k, v, _full_bias(bias, q, k), out, lse, seed, offset, 0.0, [True, True, True, False],
+        False, scale=scale)
+    return grad_q, grad_k, grad_v
+
+
+def _kernel_lse(lse, state):
+    """The merged log-sum-exp as the backward kernel reads it: CUDA's padded to the width its
+    forward returned (the padding is never read as a query's)."""
+    return lse if state is None else F.pad(lse, (0, state[2] - lse.shape[-1]))
+
+
+def _full_bias(bias, q, k):
+    """The (batch, 1, 1, keys) key bias as the (batch, heads, queries, keys) view CUDA's
+    memory-efficient kernel checks for (dtorch_core's kernel pads its rows to the alignment)."""
+    return None if bias is None else bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
 class _RingAttention(torch.autograd.Function):
     """Attention of query blocks (batch, n, heads, L, dim) against every key/value block, passed
     round the ring; forward and backward as the module docstring says. The kernels see batch
@@ -130,8 +172,7 @@ class _RingAttention(torch.autograd.Function):
         out = lse = None
         for step in range(n):
             bias = None if biases is None else biases[step]
-            part, part_lse = aten._scaled_dot_product_flash_attention_for_cpu(
-                flat_q, kv[0].flatten(0, 1), kv[1].flatten(0, 1), 0.0, False, attn_mask=bias, scale=scale)
+            part, part_lse, state = _attend(flat_q, kv[0].flatten(0, 1), kv[1].flatten(0, 1), bias, scale)
             part = part.float()
             if out is None:
                 out, lse = part, part_lse
@@ -143,7 +184,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = _pass_on(kv)
         out = out.to(q.dtype)
         ctx.save_for_backward(flat_q, k, v, out, lse)
-        ctx.biases, ctx.scale = biases, scale
+        ctx.biases, ctx.scale, ctx.kernel_state = biases, scale, state
         return out.unflatten(0, tuple(q.shape[:2]))
 
     @staticmethod
@@ -154,11 +195,11 @@ class _RingAttention(torch.autograd.Function):
         grad_kv = torch.zeros_like(kv, dtype=torch.float32)
         grad_q = None
         grad_out = grad_out.flatten(0, 1).contiguous()
+        lse = _kernel_lse(lse, ctx.kernel_state)
         for step in range(n):
             bias = None if ctx.biases is None else ctx.biases[step]
-            gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad_out, flat_q, kv[0].flatten(0, 1), kv[1].flatten(0, 1), out, lse, 0.0, False,
-                attn_mask=bias, scale=ctx.scale)
+            gq, gk, gv = _attend_backward(grad_out, flat_q, kv[0].flatten(0, 1), kv[1].flatten(0, 1), bias, out, lse,
+                                          ctx.kernel_state, ctx.scale)
             grad_q = gq.float() if grad_q is None else grad_q + gq.float()
             grad_kv = grad_kv + torch.stack([gk, gv]).unflatten(1, tuple(k.shape[:2])).float()
             if step < n - 1:

@@ -1,0 +1,133 @@
+"""Ring attention (``sp_mode="ring"``) on CUDA against the plain diffusers model on the same GPU:
+the tiny Flux and SD3 transformers of tests/test_flux.py and tests/test_sd3.py (their configs and
+inputs, copied: this runs from an installed plugin, without the tests), 4 thread-runner workers
+on one GPU, meshes sp=4 and tp=2 x sp=2, uneven text and image lengths, fp32 and bf16. Each case
+checks that the forward passed K/V round the ring (shift collectives), the output and the
+gradient of ``output.sum()`` with respect to the input hidden_states (rel err <= 1e-4 in fp32,
+2e-2 in bf16), prints one line, and the script exits 1 on any miss.
+
+On the device, after ``pip install --no-deps --target /tmp/plug plugins/dtorch_hf`` (and diffusers
+in /tmp/site), from /tmp:
+    PYTHONPATH=/tmp/plug:/tmp/site:$REPO python3 $REPO/plugins/dtorch_hf/bench/gpu_ring_check.py
+``--device cpu`` runs the same checks on the CPU kernels (the fallback the tests cover).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+
+import dtorch_hf
+import torch
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+from diffusers.utils import logging as diffusers_logging
+
+import dtorch_core as dt
+
+FLUX_CONFIG = {"patch_size": 1, "in_channels": 16, "num_layers": 1, "num_single_layers": 1, "attention_head_dim": 16,
+               "num_attention_heads": 4, "joint_attention_dim": 32, "pooled_projection_dim": 16, "axes_dims_rope": (4, 6, 6)}
+SD3_CONFIG = {"sample_size": 8, "patch_size": 2, "in_channels": 4, "num_layers": 2, "attention_head_dim": 8,
+              "num_attention_heads": 4, "joint_attention_dim": 16, "caption_projection_dim": 32,
+              "pooled_projection_dim": 16, "out_channels": 4, "pos_embed_max_size": 8, "qk_norm": "rms_norm",
+              "dual_attention_layers": (0,)}
+MESHES = {"sp4": ((4,), ("sp",)), "tp2xsp2": ((2, 2), ("tp", "sp"))}
+DTYPES = {"fp32": (torch.float32, 1e-4), "bf16": (torch.bfloat16, 2e-2)}
+FLOAT_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections")
+
+
+def flux_inputs(h, w, txt):
+    g = torch.Generator().manual_seed(1)
+    img_ids = torch.zeros(h, w, 3)
+    img_ids[..., 1] = torch.arange(h)[:, None]
+    img_ids[..., 2] = torch.arange(w)[None, :]
+    return {"hidden_states": torch.randn(1, h * w, 16, generator=g),
+            "encoder_hidden_states": torch.randn(1, txt, 32, generator=g),
+            "pooled_projections": torch.randn(1, 16, generator=g), "timestep": torch.tensor([0.3]),
+            "img_ids": img_ids.reshape(-1, 3), "txt_ids": torch.zeros(txt, 3)}
+
+
+def sd3_inputs(h, w, txt):
+    g = torch.Generator().manual_seed(1)
+    return {"hidden_states": torch.randn(1, 4, h, w, generator=g),
+            "encoder_hidden_states": torch.randn(1, txt, 16, generator=g),
+            "pooled_projections": torch.randn(1, 16, generator=g), "timestep": torch.tensor([0.3])}
+
+
+# family -> (config, {case: inputs}): 16 image + 5 text tokens (the joint 21 uneven over 4), and
+# 15 image + 7 text (both streams uneven)
+FAMILIES = {"flux": (FLUX_CONFIG, {"16img+5txt": lambda: flux_inputs(4, 4, 5), "15img+7txt": lambda: flux_inputs(3, 5, 7)}),
+            "sd3": (SD3_CONFIG, {"16img+5txt": lambda: sd3_inputs(8, 8, 5), "15img+7txt": lambda: sd3_inputs(6, 10, 7)})}
+
+
+def rel_err(got, want) -> float:
+    got = got.full_tensor() if hasattr(got, "full_tensor") else got
+    got, want = got.float().cpu(), want.float().cpu()
+    return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+
+
+def check(cls, path, mesh, inputs, dtype, device) -> tuple[float, float]:
+    """(output rel err, hidden_states gradient rel err) of the ring-parallel model against the plain one."""
+    # loaded in fp32, then cast: SD3 loaded with torch_dtype=bf16 keeps its patch conv in fp32
+    ref = cls.from_pretrained(path).to(device, dtype)
+    model = cls.from_pretrained(path).to(dtype)
+    dtorch_hf.parallelize(model, mesh, sp_mode="ring")
+    inputs = {k: (v.to(dtype) if k in FLOAT_INPUTS else v) for k, v in inputs.items()}
+    ref_inputs = {k: v.to(device) for k, v in inputs.items()}
+    ref_inputs["hidden_states"].requires_grad_()
+    placed = {k: dt.distribute_tensor(v, mesh, [dt.Replicate()] * mesh.ndim) for k, v in inputs.items()}
+    placed["hidden_states"].requires_grad_()
+    with dt.debug.comm_mode() as comm:
+        got = model(**placed).sample
+    want = ref(**ref_inputs).sample
+    if not isinstance(got, dt.DTensor):
+        raise TypeError("the parallel model's output is no DTensor")
+    if not comm.counts().get("shift"):  # the ring's K/V passes: else attention ran another way
+        raise RuntimeError(f"no shift collective in the forward (ring attention not used): {comm.counts()}")
+    got.sum().backward()
+    want.sum().backward()
+    return rel_err(got, want), rel_err(placed["hidden_states"].grad, ref_inputs["hidden_states"].grad)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    args = parser.parse_args()
+    # fp32 compares at 1e-4: no TF32 in the plain model's matmuls and convolutions (thread
+    # workers share these flags)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    diffusers_logging.set_verbosity_error()
+    classes = {"flux": FluxTransformer2DModel, "sd3": SD3Transformer2DModel}
+    dt.init(world_size=4, runner="thread", device_type=args.device)
+    misses = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for family, (config, cases) in FAMILIES.items():
+            torch.manual_seed(0)
+            path = f"{tmp}/{family}"
+            classes[family](**config).save_pretrained(path)
+            for mesh_name, (shape, names) in MESHES.items():
+                mesh = dt.init_device_mesh(args.device, shape, mesh_dim_names=names)
+                for dtype_name, (dtype, tolerance) in DTYPES.items():
+                    for case, make in cases.items():
+                        label = f"{family} {mesh_name} {dtype_name} {case}"
+                        try:
+                            out_err, grad_err = check(classes[family], path, mesh, make(), dtype,
+                                                      args.device)
+                        except Exception as exc:  # noqa: BLE001 - one line per case, then the next case
+                            misses += 1
+                            print(f"{label}: ERROR {type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
+                                  flush=True)
+                            continue
+                        ok = out_err <= tolerance and grad_err <= tolerance
+                        misses += not ok
+                        print(f"{label}: output rel err {out_err:.2e}, hidden_states grad rel err {grad_err:.2e} "
+                              f"(<= {tolerance:.0e}) {'ok' if ok else 'MISS'}", flush=True)
+    dt.shutdown()
+    print(f"{misses} miss(es)" if misses else "all cases ok", flush=True)
+    return 1 if misses else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
