@@ -91,11 +91,11 @@ def _serve(config: dict) -> int:
     import torch.distributed as dist
 
     from .ir import wire
-    from .ir.instructions import Reply, WorkerFailure
+    from .ir.instructions import Reply
     from .logging import configure
     from .plugins import get_plugins
     from .transport.channel import ChannelSpec, open_channel
-    from .runners.process import PROTOCOL, READY, SHUTDOWN
+    from .runners.process import READY, SHUTDOWN
     from .worker.streams import make_streams
     from .worker.loop import Worker
 
@@ -138,15 +138,7 @@ def _serve(config: dict) -> int:
             break
         if data == SHUTDOWN:
             break
-        try:
-            batch = wire.decode(data)
-            if not isinstance(batch, list):
-                raise wire.WireError(f"expected a list of instructions, got {type(batch).__name__}")
-        except Exception as exc:
-            log.warning("rejected a frame", error=str(exc))
-            reply(Reply(PROTOCOL, rank, error=WorkerFailure(rank, "decode", None, str(exc))))
-            continue
-        streams.run(functools.partial(worker.run_batch, batch))
+        run_frame(worker, streams, data, rank, reply)
     try:
         dist.destroy_process_group()
     except Exception:
@@ -156,3 +148,24 @@ def _serve(config: dict) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def run_frame(worker, streams, data, rank: int, reply) -> None:
+    """Decode one batch frame and run it on the worker's streams. A frame that does not decode
+    is answered with a PROTOCOL failure, and the worker keeps serving (every transport's
+    worker loop ends here)."""
+    import structlog
+
+    from .ir import wire
+    from .ir.instructions import Reply, WorkerFailure
+    from .runners.process import PROTOCOL
+
+    try:
+        batch = wire.decode(data)
+        if not isinstance(batch, list):
+            raise wire.WireError(f"expected a list of instructions, got {type(batch).__name__}")
+    except Exception as exc:
+        structlog.get_logger("dtorch_core.worker").bind(rank=rank).warning("rejected a frame", error=str(exc))
+        reply(Reply(PROTOCOL, rank, error=WorkerFailure(rank, "decode", None, str(exc))))
+        return
+    streams.run(functools.partial(worker.run_batch, batch))

@@ -10,7 +10,6 @@ worker outlives its controller by more than that.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import queue
@@ -160,12 +159,13 @@ def _run(endpoint: WorkerEndpoint, config: dict, address: str, device_index: int
     import torch.distributed as dist
 
     from dtorch_core.ir import wire
-    from dtorch_core.ir.instructions import Reply, WorkerFailure
+    from dtorch_core.ir.instructions import Reply
     from dtorch_core.logging import configure
     from dtorch_core.plugins import get_plugins
-    from dtorch_core.runners.process import PROTOCOL, READY
+    from dtorch_core.runners.process import READY
     from dtorch_core.worker.loop import Worker
     from dtorch_core.worker.streams import make_streams
+    from dtorch_core.worker_main import run_frame
 
     from .runner import GOODBYE, parse_address
 
@@ -207,15 +207,7 @@ def _run(endpoint: WorkerEndpoint, config: dict, address: str, device_index: int
         if len(data) == 0:
             reply(Reply(GOODBYE, rank, value=None))
             break
-        try:
-            batch = wire.decode(data)
-            if not isinstance(batch, list):
-                raise wire.WireError(f"expected a list of instructions, got {type(batch).__name__}")
-        except Exception as exc:  # noqa: BLE001 - reported, and the worker keeps serving
-            log.warning("rejected a frame", error=str(exc))
-            reply(Reply(PROTOCOL, rank, error=WorkerFailure(rank, "decode", None, str(exc))))
-            continue
-        streams.run(functools.partial(worker.run_batch, batch))
+        run_frame(worker, streams, data, rank, reply)
     try:
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - exiting anyway
