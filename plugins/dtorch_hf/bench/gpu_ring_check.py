@@ -66,12 +66,22 @@ def rel_err(got, want) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
 
 
-def check(cls, path, mesh, inputs, dtype, device) -> tuple[float, float]:
-    """(output rel err, hidden_states gradient rel err) of the ring-parallel model against the plain one."""
+def _plain_grad(cls, path, inputs, dtype, device):
+    ref = cls.from_pretrained(path).to(device, dtype)
+    x = {k: (v.detach().to(device, dtype) if k in FLOAT_INPUTS else v.to(device)) for k, v in inputs.items()}
+    x["hidden_states"].requires_grad_()
+    ref(**x).sample.sum().backward()
+    return x["hidden_states"].grad
+
+
+def check(cls, path, mesh, inputs, dtype, device, sp_mode="ring") -> tuple[float, float, float | None]:
+    """(output rel err, hidden_states gradient rel err) of the sp-parallel model against the plain
+    one, and for a low-precision dtype the plain model's own gradient error against fp32 (the
+    noise floor the parallel model's gradient error is to be read against)."""
     # loaded in fp32, then cast: SD3 loaded with torch_dtype=bf16 keeps its patch conv in fp32
     ref = cls.from_pretrained(path).to(device, dtype)
     model = cls.from_pretrained(path).to(dtype)
-    dtorch_hf.parallelize(model, mesh, sp_mode="ring")
+    dtorch_hf.parallelize(model, mesh, sp_mode=sp_mode)
     inputs = {k: (v.to(dtype) if k in FLOAT_INPUTS else v) for k, v in inputs.items()}
     ref_inputs = {k: v.to(device) for k, v in inputs.items()}
     ref_inputs["hidden_states"].requires_grad_()
@@ -82,16 +92,21 @@ def check(cls, path, mesh, inputs, dtype, device) -> tuple[float, float]:
     want = ref(**ref_inputs).sample
     if not isinstance(got, dt.DTensor):
         raise TypeError("the parallel model's output is no DTensor")
-    if not comm.counts().get("shift"):  # the ring's K/V passes: else attention ran another way
+    if sp_mode == "ring" and not comm.counts().get("shift"):  # the ring's K/V passes: else attention ran another way
         raise RuntimeError(f"no shift collective in the forward (ring attention not used): {comm.counts()}")
     got.sum().backward()
     want.sum().backward()
-    return rel_err(got, want), rel_err(placed["hidden_states"].grad, ref_inputs["hidden_states"].grad)
+    floor = None
+    if dtype != torch.float32:
+        floor = rel_err(ref_inputs["hidden_states"].grad, _plain_grad(cls, path, inputs, torch.float32, device))
+    return rel_err(got, want), rel_err(placed["hidden_states"].grad, ref_inputs["hidden_states"].grad), floor
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--sp-mode", default="ring", choices=("ring", "ulysses"),
+                        help="ulysses: the same cases through Ulysses, to compare its bf16 errors")
     args = parser.parse_args()
     # fp32 compares at 1e-4: no TF32 in the plain model's matmuls and convolutions (thread
     # workers share these flags)
@@ -113,17 +128,22 @@ def main() -> int:
                     for case, make in cases.items():
                         label = f"{family} {mesh_name} {dtype_name} {case}"
                         try:
-                            out_err, grad_err = check(classes[family], path, mesh, make(), dtype,
-                                                      args.device)
+                            out_err, grad_err, floor = check(classes[family], path, mesh, make(), dtype,
+                                                             args.device, args.sp_mode)
                         except Exception as exc:  # noqa: BLE001 - one line per case, then the next case
                             misses += 1
                             print(f"{label}: ERROR {type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
                                   flush=True)
                             continue
-                        ok = out_err <= tolerance and grad_err <= tolerance
+                        # a bf16 gradient is read against the plain model's own bf16 error: where the
+                        # plain bf16 gradient is itself far from fp32 (Flux: 0.06-0.6 on one H200),
+                        # two bf16 runs cannot agree to 2e-2 either
+                        grad_bound = tolerance if floor is None else max(tolerance, 1.5 * floor)
+                        ok = out_err <= tolerance and grad_err <= grad_bound
                         misses += not ok
+                        noise = "" if floor is None else f"; plain {dtype_name} grad vs fp32 {floor:.2e}"
                         print(f"{label}: output rel err {out_err:.2e}, hidden_states grad rel err {grad_err:.2e} "
-                              f"(<= {tolerance:.0e}) {'ok' if ok else 'MISS'}", flush=True)
+                              f"(<= {tolerance:.0e}){noise} {'ok' if ok else 'MISS'}", flush=True)
     dt.shutdown()
     print(f"{misses} miss(es)" if misses else "all cases ok", flush=True)
     return 1 if misses else 0
