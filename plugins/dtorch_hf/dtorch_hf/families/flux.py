@@ -51,6 +51,18 @@ def _sp_dims(x) -> list[int]:
     return [i for i, n in enumerate(names) if n == "sp" and x.device_mesh.size(i) > 1]
 
 
+def sp_mesh_dim(weight):
+    """(mesh, index of its "sp" dim) of a model's DTensor parameter, or (None, None) where the
+    model has no "sp" dim of more than one device: the families read the mesh at call time."""
+    if not isinstance(weight, dt.DTensor):
+        return None, None
+    mesh = weight.device_mesh
+    names = mesh.mesh_dim_names or ()
+    if "sp" not in names or mesh.size(names.index("sp")) == 1:
+        return None, None
+    return mesh, names.index("sp")
+
+
 def _move(x, src: int, dst: int):
     """``x`` with every "sp" mesh dim that shards tensor dim ``src`` sharding ``dst`` instead
     (Ulysses' all-to-all when src/dst are the sequence and heads dims)."""
@@ -159,14 +171,10 @@ def _sequence_shard_inputs(model):
     Shard(1) on the mesh's "sp" dim (read from the model's DTensor parameters at call time)."""
 
     def hook(module, args, kwargs):
-        weight = module.x_embedder.weight
-        if not isinstance(weight, dt.DTensor):
+        mesh, dim = sp_mesh_dim(module.x_embedder.weight)
+        if mesh is None:
             return args, kwargs
-        mesh = weight.device_mesh
-        names = mesh.mesh_dim_names or ()
-        if "sp" not in names or mesh.size(names.index("sp")) == 1:
-            return args, kwargs
-        wanted = {names.index("sp"): Shard(SEQ)}
+        wanted = {dim: Shard(SEQ)}
 
         def shard(value):
             return lay_out(value, mesh, wanted) if isinstance(value, torch.Tensor) and value.ndim == 3 else value

@@ -35,7 +35,7 @@ from dtorch_core.placement import Replicate, Shard
 from ..batch import lay_out
 from ..family import ModelFamily
 from ..ring import ring_attention, ring_mesh_dim
-from .flux import HEADS, SEQ, _move, _sp_dims
+from .flux import HEADS, SEQ, _move, _sp_dims, sp_mesh_dim
 
 # the inputs with a batch dim, split over "cfg" and "dp" where they enter the model
 BATCH_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep")
@@ -124,22 +124,11 @@ def _ring_sd3(attn, query, key, value, encoder_hidden_states, ring_dim):
     return out, (enc if attn.context_pre_only else attn.to_add_out(enc))
 
 
-def _sp_dim_of(model):
-    weight = model.proj_out.weight
-    if not isinstance(weight, dt.DTensor):
-        return None, None
-    mesh = weight.device_mesh
-    names = mesh.mesh_dim_names or ()
-    if "sp" not in names or mesh.size(names.index("sp")) == 1:
-        return None, None
-    return mesh, names.index("sp")
-
-
 def _shard_tokens(model):
     """A forward hook laying a (batch, tokens, features) output out as Shard(1) on "sp"."""
 
     def hook(module, args, output):
-        mesh, dim = _sp_dim_of(model)
+        mesh, dim = sp_mesh_dim(model.proj_out.weight)
         if mesh is None or not isinstance(output, torch.Tensor) or output.ndim != 3:
             return output
         return lay_out(output, mesh, {dim: Shard(SEQ)})
