@@ -105,28 +105,24 @@ def assert_step_matches(ref, model, loss_fn):
     assert moved > len(want) // 2            # the step moved most of the weights
 
 
-def _mark(model_name, mesh_name):
+def _mark(model_name, mesh_name, *, with_name=False):
+    """The parameter(s) of one case, xfail where CANNOT_TRAIN gives a reason."""
+    values = (model_name, mesh_name) if with_name else (mesh_name,)
     reason = CANNOT_TRAIN.get((model_name, mesh_name))
-    return pytest.param(mesh_name, marks=pytest.mark.xfail(reason=reason, strict=True)) if reason else mesh_name
+    return pytest.param(*values, marks=pytest.mark.xfail(reason=reason, strict=True) if reason else ())
 
 
-@pytest.mark.parametrize("mesh_name", [_mark("flux", m) for m in sorted(TRANSFORMER_MESHES)])
-def test_flux_adamw_step(session, saved, mesh_name):
-    ref = FluxTransformer2DModel.from_pretrained(saved["flux"]).train()
-    model = FluxTransformer2DModel.from_pretrained(saved["flux"]).train()
+TRANSFORMERS = {"flux": (FluxTransformer2DModel, _flux_inputs), "sd3": (SD3Transformer2DModel, _sd3_inputs)}
+
+
+@pytest.mark.parametrize(("family", "mesh_name"),
+                         [_mark(f, m, with_name=True) for f in sorted(TRANSFORMERS) for m in sorted(TRANSFORMER_MESHES)])
+def test_transformer_adamw_step(session, saved, family, mesh_name):
+    cls, make_inputs = TRANSFORMERS[family]
+    ref = cls.from_pretrained(saved[family]).train()
+    model = cls.from_pretrained(saved[family]).train()
     dtorch_hf.parallelize(model, make_transformer_mesh(mesh_name))
-    inputs = _flux_inputs()
-    target = _target(inputs["hidden_states"].shape)
-    assert_step_matches(ref, model, lambda m: _sample_loss(m, inputs, target))
-    assert not dt.fallback_counts(), dt.fallback_counts()
-
-
-@pytest.mark.parametrize("mesh_name", [_mark("sd3", m) for m in sorted(TRANSFORMER_MESHES)])
-def test_sd3_adamw_step(session, saved, mesh_name):
-    ref = SD3Transformer2DModel.from_pretrained(saved["sd3"]).train()
-    model = SD3Transformer2DModel.from_pretrained(saved["sd3"]).train()
-    dtorch_hf.parallelize(model, make_transformer_mesh(mesh_name))
-    inputs = _sd3_inputs()
+    inputs = make_inputs()
     target = _target(inputs["hidden_states"].shape)
     assert_step_matches(ref, model, lambda m: _sample_loss(m, inputs, target))
     assert not dt.fallback_counts(), dt.fallback_counts()
