@@ -150,10 +150,11 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-def run_frame(worker, streams, data, rank: int, reply) -> None:
+def run_frame(worker, streams, data, rank: int, reply, decode=None) -> None:
     """Decode one batch frame and run it on the worker's streams. A frame that does not decode
     is answered with a PROTOCOL failure, and the worker keeps serving (every transport's
-    worker loop ends here)."""
+    worker loop ends here). ``decode(data)``, when given, makes the batch instead of
+    ``wire.decode`` (a transport whose frames are not one wire message)."""
     import structlog
 
     from .ir import wire
@@ -161,7 +162,7 @@ def run_frame(worker, streams, data, rank: int, reply) -> None:
     from .runners.process import PROTOCOL
 
     try:
-        batch = wire.decode(data)
+        batch = wire.decode(data) if decode is None else decode(data)
         if not isinstance(batch, list):
             raise wire.WireError(f"expected a list of instructions, got {type(batch).__name__}")
     except Exception as exc:
