@@ -9,7 +9,7 @@ import torch
 
 import dtorch_core as dt
 
-from .helpers import check, distribute
+from .helpers import check, distribute, on_mesh
 
 R, P = dt.Replicate(), dt.Partial("sum")
 S0, S1, S2 = dt.Shard(0), dt.Shard(1), dt.Shard(2)
@@ -153,3 +153,48 @@ def test_cat_keeps_shards_of_other_dims(mesh2d):
     assert torch.cat(xs, dim=0).placements == (S1, S1)
     assert torch.stack(xs, dim=0).placements == (S2, S2)
     assert torch.stack(xs, dim=2).placements == (S1, S1)
+
+
+# ---------------------------------------------------------------------------------------------
+# advanced indexing: x[i, j] (index.Tensor) and its backward (index_put with accumulate)
+# ---------------------------------------------------------------------------------------------
+def _rows(n, seed):
+    return torch.randint(0, n, (6,), generator=_gen(seed))
+
+
+INDEX_CASES = [  # (index builder, placements of x, of the result): unindexed dims keep their (uneven) shards
+    ("pool", (R, S2), (R, S1)),       # x[arange(B), pos]: CLIP's EOS pooling; the feature dim stays sharded
+    ("pool", (S2, R), (S1, R)),
+    ("pool", (P, R), (P, R)),         # linear: a Partial x stays Partial
+    ("middle", (S0, S2), (S0, dt.Shard(3))),  # x[:, idx]: dims before and after the indexed one keep theirs
+    ("split", (S1, R), (S1, R)),      # x[i, :, j]: non-adjacent indices put the index dims first
+    ("pool", (S0, S1), None),         # an indexed dim sharded: gathered (the indices hold global positions)
+]
+
+
+def _index_fn(kind):
+    if kind == "pool":
+        return lambda x: x[torch.arange(5), torch.tensor([0, 6, 2, 3, 1])]
+    if kind == "middle":
+        return lambda x: x[:, torch.tensor([[1, 0], [6, 6]])]
+    return lambda x: x[torch.tensor([4, 0, 2]), :, torch.tensor([1, 1, 10])]
+
+
+@pytest.mark.parametrize("kind,xspec,ospec", INDEX_CASES, ids=str)
+def test_advanced_index(mesh, kind, xspec, ospec):
+    x = torch.randn(5, 7, 11, generator=_gen(11))
+    (out,) = check(mesh, _index_fn(kind), [x], [xspec], grad=(0,) if P not in xspec else ())
+    if ospec is not None:
+        assert tuple(out.placements) == tuple(on_mesh(mesh, ospec))
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("xspec,vspec", [((S1, R), (S1, R)), ((R, S1), (R, S1)), ((P, R), (P, R)), ((S0, R), (R, R))],
+                         ids=str)
+def test_index_put(mesh, accumulate, xspec, vspec):
+    # values laid out like x[idx] (rows of x): they shard with x on the unindexed dim 1
+    x = torch.randn(9, 6, generator=_gen(12))
+    values = torch.randn(4, 6, generator=_gen(13))
+    idx = torch.tensor([7, 0, 3, 0 if accumulate else 5])
+    check(mesh, lambda x, v: x.index_put((idx,), v, accumulate=accumulate), [x, values], [xspec, vspec],
+          grad=(0, 1) if P not in xspec else ())

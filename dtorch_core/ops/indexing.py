@@ -1,12 +1,13 @@
-"""Joining and indexing: cat, stack, index_select, gather, scatter(_add), index_add."""
+"""Joining and indexing: cat, stack, index_select, gather, scatter(_add), index_add, advanced
+indexing (``x[i, j]``: index.Tensor) and its backward (index_put)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..placement import Shard
-from .common import ALL_PARTIALS, LINEAR_PARTIALS, R, add_all, replicate_all
 from ..planner.schema import Strategy
+from .common import ALL_PARTIALS, LINEAR_PARTIALS, R, add_all, replicate_all
 
 aten = torch.ops.aten
 
@@ -100,6 +101,60 @@ def index_add_rule(call):
     return strategies
 
 
+def _unindexed_dims(x_ndim: int, indices) -> list[tuple[int, int]]:
+    """(dim of self, dim of the result) for the dims no index tensor selects, by torch's rule:
+    the broadcast index dims replace adjacent indexed dims in place, and go first otherwise."""
+    present = [i for i, t in enumerate(indices) if t is not None]
+    if not present:
+        return []
+    k = max(t.ndim for t in indices if t is not None)
+    adjacent = present == list(range(present[0], present[-1] + 1))
+    pairs = []
+    for d in range(x_ndim):
+        if d in present:
+            continue
+        if adjacent:
+            pairs.append((d, d if d < present[0] else d - len(present) + k))
+        else:
+            pairs.append((d, k + d - sum(1 for p in present if p < d)))
+    return pairs
+
+
+def index_rule(call):
+    # x[i0, i1, ...] with integer index tensors: a dim that no index selects keeps its shard (the
+    # index tensors are replicated: they hold global positions); indexing is linear in x
+    x, indices = call.inputs[0], call.args[1]
+    rest = (R,) * (len(call.inputs) - 1)
+    strategies = [replicate_all(call)]
+    if any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in indices):
+        return strategies  # a mask's result size depends on its values
+    for d, od in _unindexed_dims(x.ndim, indices):
+        strategies.append(Strategy((Shard(d),) + rest, (Shard(od),)))
+    for p in ALL_PARTIALS:
+        strategies.append(Strategy((p,) + rest, (p,)))
+    return strategies
+
+
+def index_put_rule(call):
+    # index_put(self, indices, values, accumulate): self and values shard together on a dim that
+    # no index selects (values laid out like x[indices]); linear in (self, values) together
+    x, indices = call.inputs[0], call.args[1]
+    values = call.inputs[-1]
+    middle = (R,) * (len(call.inputs) - 2)
+    strategies = [replicate_all(call)]
+    if any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in indices):
+        return strategies
+    k = max((t.ndim for t in indices if t is not None), default=0)
+    result_ndim = x.ndim - sum(1 for t in indices if t is not None) + k
+    for d, od in _unindexed_dims(x.ndim, indices):
+        vd = od - (result_ndim - values.ndim)  # values broadcast against x[indices] from the right
+        if vd >= 0 and values.shape[vd] == x.shape[d]:
+            strategies.append(Strategy((Shard(d),) + middle + (Shard(vd),), (Shard(d),)))
+    for p in LINEAR_PARTIALS:
+        strategies.append(Strategy((p,) + middle + (p,), (p,)))
+    return strategies
+
+
 def register(registry) -> None:
     registry.add(aten.cat.default, cat_rule, replace=True)
     registry.add(aten.stack.default, stack_rule, replace=True)
@@ -107,5 +162,8 @@ def register(registry) -> None:
     registry.add(aten.gather.default, gather_rule, replace=True)
     for packet in (aten.scatter_add, aten.scatter_add_, aten.scatter, aten.scatter_):
         add_all(registry, packet, scatter_rule)
+    registry.add(aten.index.Tensor, index_rule, replace=True)
+    for packet in (aten.index_put, aten.index_put_):
+        add_all(registry, packet, index_put_rule)
     for packet in (aten.index_add, aten.index_add_):
         add_all(registry, packet, index_add_rule)
