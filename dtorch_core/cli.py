@@ -2,7 +2,9 @@
 
 Every sub-command comes from the ``dtorch_register_cli_commands`` hook, the builtins below
 included (this module is the builtin plugin ``dtorch.cli``). A command is any object with
-``help`` (str), ``configure(parser)`` and ``run(args) -> int``.
+``help`` (str), ``configure(parser)`` and ``run(args) -> int``; a command may also have
+``info_section() -> InfoSection | None``, which ``dtorch info`` shows (how a plugin adds what it
+knows, e.g. cached kernel choices, to the report).
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ class PluginInfo:
 
 
 @attrs.frozen
+class InfoSection:
+    """A part of ``dtorch info`` contributed by a plugin's command (see the module docstring)."""
+
+    title: str
+    lines: tuple[str, ...]
+    data: dict = attrs.field(factory=dict)  # the same content for ``dtorch info --json``
+
+
+@attrs.frozen
 class Info:
     """What ``dtorch info`` reports."""
 
@@ -66,6 +77,7 @@ class Info:
     ops_with_rules: int
     decompositions: int
     environment: dict
+    sections: tuple[InfoSection, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
@@ -147,7 +159,17 @@ def collect_info() -> Info:
         ops_with_rules=len(ops.entries),
         decompositions=len(getattr(ops, "decompositions", {})),
         environment={k: os.environ[k] for k in ENV_VARS if k in os.environ},
+        sections=_plugin_sections(plugins.registry("cli_commands")),
     )
+
+
+def _plugin_sections(commands) -> tuple[InfoSection, ...]:
+    sections = []
+    for command in commands.entries.values():
+        section = command.info_section() if hasattr(command, "info_section") else None
+        if section is not None:
+            sections.append(section)
+    return tuple(sections)
 
 
 def format_info(info: Info) -> str:
@@ -181,6 +203,9 @@ def format_info(info: Info) -> str:
     if info.environment:
         lines.append("environment:")
         lines.extend(f"  {k}={v}" for k, v in info.environment.items())
+    for section in info.sections:
+        lines.append(f"{section.title}:")
+        lines.extend(f"  {line}" for line in section.lines)
     return "\n".join(lines)
 
 
