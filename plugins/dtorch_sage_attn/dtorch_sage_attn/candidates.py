@@ -1,0 +1,94 @@
+"""The sage-type candidate kernels: ``sageattention`` 1.0.6 (where it imports) and this plugin's
+own Triton kernel (``triton_sage``, where triton imports and the tensors are on CUDA).
+
+SDPA, the third candidate, is built per call by the worker kernel (it is the aten op the
+controller's dispatch chose, on that call's arguments)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+
+import structlog
+import torch
+
+from .records import AttentionCall, Candidate
+
+log = structlog.get_logger(__name__)
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+SAGEATTENTION_HEAD_DIMS = (64, 96, 128)
+
+
+def _common_reason(call: AttentionCall) -> str | None:
+    """Why no sage-type kernel can serve ``call``, whatever the kernel."""
+    if call.q.device.type != "cuda":
+        return f"{call.q.device.type} tensors (sage kernels run on CUDA)"
+    if call.q.dtype not in HALF_DTYPES:
+        return f"{call.q.dtype} inputs (sage kernels take fp16/bf16)"
+    return None
+
+
+# -- sageattention 1.0.6 ----------------------------------------------------------------------
+def _sageattention_unsupported(call: AttentionCall) -> str | None:
+    reason = _common_reason(call)
+    if reason:
+        return reason
+    if call.need_lse:
+        return "the call needs the log-sum-exp (sageattention 1.0.6 does not return it)"
+    if call.q.shape[-1] not in SAGEATTENTION_HEAD_DIMS:
+        return f"head_dim {call.q.shape[-1]} (sageattention 1.0.6 takes {SAGEATTENTION_HEAD_DIMS})"
+    if call.q.shape[1] != call.k.shape[1]:
+        # its users report wrong bf16 output with GQA; the gate would catch it, but not run it
+        return "GQA (query heads != key heads)"
+    return None
+
+
+def _sageattention_candidate(sageattn) -> Candidate:
+    def run(call: AttentionCall):
+        out = sageattn(call.q, call.k, call.v, tensor_layout="HND", is_causal=call.causal, sm_scale=call.scale)
+        return out, None
+
+    return Candidate("sageattention", "sage", run, _sageattention_unsupported)
+
+
+# -- this plugin's Triton kernel --------------------------------------------------------------
+def _triton_candidate(module) -> Candidate:
+    def unsupported(call: AttentionCall) -> str | None:
+        reason = _common_reason(call)
+        if reason:
+            return reason
+        return module.unsupported_reason(call.q, call.k, call.v, causal=call.causal, attn_mask=None, dropout_p=0.0)
+
+    def run(call: AttentionCall):
+        if call.need_lse:
+            return module.sage_attention(call.q, call.k, call.v, causal=call.causal, scale=call.scale, return_lse=True)
+        return module.sage_attention(call.q, call.k, call.v, causal=call.causal, scale=call.scale), None
+
+    return Candidate("ours", "sage", run, unsupported)
+
+
+def default_candidates() -> tuple[list[Candidate], dict[str, str]]:
+    """The sage-type candidates importable in this process, and for each missing one why."""
+    found, missing = [], {}
+    try:
+        from sageattention import sageattn
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not a candidate"
+        missing["sageattention"] = f"not importable ({type(exc).__name__}: {exc})"
+    else:
+        found.append(_sageattention_candidate(sageattn))
+    try:
+        importlib.import_module("triton")
+        module = importlib.import_module("dtorch_sage_attn.triton_sage")
+    except Exception as exc:  # noqa: BLE001
+        missing["ours"] = f"not importable ({type(exc).__name__}: {exc})"
+    else:
+        found.append(_triton_candidate(module))
+    return found, missing
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
