@@ -21,6 +21,7 @@ import structlog
 from dtorch_core.errors import ConfigError, DTorchError, WorkerLostError
 
 from . import agent_wire
+from .errors import AuthenticationError
 
 log = structlog.get_logger(__name__)
 
@@ -41,8 +42,13 @@ class AgentUnreachableError(AgentError, WorkerLostError):
     """The agent did not answer in time, or nothing listens at its address."""
 
 
-class AgentAuthError(AgentError):
-    """The agent refused this controller's key (another key file, or none)."""
+class AgentAuthError(AgentError, AuthenticationError):
+    """The agent refused this controller's key (another key file, or none); an
+    :class:`AuthenticationError` whose ``peer`` is the agent's address, as for a refused worker."""
+
+    def __init__(self, message: str, *, agent: str):
+        DTorchError.__init__(self, message)
+        self.agent = self.peer = agent
 
 
 class AgentBusyError(AgentError):
@@ -111,6 +117,8 @@ class AgentClient:
                                         metadata=((agent_wire.TOKEN_HEADER, token),))
         except grpc.RpcError as exc:
             raise self._error(method, exc, timeout_s) from None
+        except ValueError as exc:  # gRPC's "channel closed": close() came first
+            raise AgentError(f"dtorch agent {self.address}: {method} not sent ({exc})", agent=self.address) from None
         return agent_wire.decode(reply)
 
     def _error(self, method: str, exc: grpc.RpcError, timeout_s: float) -> AgentError:
@@ -168,14 +176,15 @@ class AgentSession:
         if self._stopped.is_set():
             return ()
         self._stopped.set()
-        self._renewer.join()
         try:
+            # not after the renewer: a renewal in flight to an unreachable agent would add its timeout
             reply = self.client.call("StopWorkers", {"session_id": self.session_id, "grace_s": grace_s},
                                      timeout_s=self.client.timeout_s + grace_s)
         except AgentSessionLostError:
             return ()
         finally:
-            self.client.close()
+            self.client.close()  # cancels a renewal still in flight; the renewer then ends quietly
+            self._renewer.join(self.client.timeout_s)
         return tuple(WorkerStatus.from_wire(w) for w in reply["workers"])
 
     def _renew_loop(self) -> None:
@@ -183,10 +192,12 @@ class AgentSession:
         while not self._stopped.wait(interval):
             try:
                 self.renew()
-            except AgentSessionLostError as exc:
-                self._lose(exc)
-                return
             except AgentError as exc:
+                if self._stopped.is_set():  # stop() ended the session (or cancelled this call)
+                    return
+                if isinstance(exc, AgentSessionLostError):
+                    self._lose(exc)
+                    return
                 # one missed renewal is not fatal; the lease is lost once the agent would have
                 # ended it anyway
                 if time.monotonic() - self._renewed_at < self.lease_s:

@@ -262,16 +262,27 @@ class AgentService:
             self._ended.pop(next(iter(self._ended)))
 
     def _watch_lease(self) -> None:
+        """End the session when its lease runs out (killing its workers), or when every worker has
+        exited (a controller that died or was cut off: its workers leave within seconds, and the
+        agent is free for the next session without waiting out the lease)."""
         while not self._closing.wait(WATCH_INTERVAL_S):
             with self._lock:
                 session = self._session
-                if session is None or time.monotonic() < session.deadline:
+                if session is None:
                     continue
-                self._end(session, f"ended by the agent: its lease ({session.lease_s:g} s) ran out")
-            log.warning("agent lease expired: killing the session's workers", session=session.id,
-                        controller=session.controller, lease_s=session.lease_s,
-                        pids=[w.popen.pid for w in session.workers])
-            try:
+                codes = [w.popen.poll() for w in session.workers]
+                if None not in codes:
+                    self._end(session, f"ended by the agent: all its workers exited (exit codes {codes})")
+                    log.info("agent session ended: all its workers exited", session=session.id,
+                                controller=session.controller, exit_codes=codes)
+                elif time.monotonic() >= session.deadline:
+                    self._end(session, f"ended by the agent: its lease ({session.lease_s:g} s) ran out")
+                    log.warning("agent lease expired: killing the session's workers", session=session.id,
+                                controller=session.controller, lease_s=session.lease_s,
+                                pids=[w.popen.pid for w in session.workers])
+                else:
+                    continue
+            try:  # (for exited workers: what they left in their process groups)
                 stop_processes(session.workers, self.grace_s)
             except Exception:  # the watchdog must outlive one failed stop
                 log.exception("agent could not stop an expired session's workers", session=session.id)
