@@ -8,11 +8,19 @@ of thousands of tests would cost minutes. A test that shuts the session down get
 with the dtorch_nccl plugin installed; ``DTORCH_TEST_WORLD_SIZE`` (default 4) sets the number of
 workers (1 for the process runner on one GPU: NCCL takes one process per GPU). Results are
 always compared with plain torch on the CPU.
+
+``remote`` (the dtorch_zmq plugin's runner) is a valid entry of ``DTORCH_TEST_RUNNERS`` but not a
+default one (the core suite runs without the plugin): it starts two ``dtorch agent`` processes
+on 127.0.0.1 with a key file of the run, for the whole test session, and the workers are theirs.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
@@ -26,9 +34,75 @@ RUNNERS = [r for r in os.environ.get("DTORCH_TEST_RUNNERS", "inline,thread,proce
 
 
 @pytest.fixture(scope="session", params=RUNNERS)
-def _runner_name(request):
+def _runner_name(request, tmp_path_factory):
+    agents, saved_env = [], {}
+    if request.param == "remote":
+        agents = _start_remote_agents(tmp_path_factory.mktemp("remote-agents"))
+        # through the environment, so that tests calling dt.init(runner=runner) themselves get them too
+        remote_env = {"DTORCH_AGENTS": ",".join(a.address for a in agents), "DTORCH_KEY_FILE": agents[0].key_file,
+                      "DTORCH_LISTEN": "tcp://127.0.0.1:0"}
+        saved_env = {name: os.environ.get(name) for name in remote_env}
+        os.environ.update(remote_env)
     yield request.param
     dt.shutdown()
+    for agent in agents:
+        agent.stop()
+    for name, value in saved_env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+class _LocalAgent:
+    """A `dtorch agent` subprocess on 127.0.0.1 (a port it picks) for the ``remote`` runner."""
+
+    def __init__(self, key_file: str, devices: int, log_dir):
+        self.key_file = key_file
+        # one thread per worker: the machines that run the suite have few cores
+        env = dict(os.environ, OMP_NUM_THREADS="1", DTORCH_WORKER_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dtorch_core.cli", "agent", "--listen", "127.0.0.1:0", "--key-file", key_file,
+             "--devices", str(devices), "--log-dir", str(log_dir)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, env=env, text=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(60)  # the agent imports torch before it serves
+        match = re.search(r"listening on 127\.0\.0\.1:(\d+)", lines[0] if lines else "")
+        if match is None:
+            self.stop()
+            raise RuntimeError(f"dtorch agent did not start (its worker logs: {log_dir}); said {lines!r}")
+        self.address = f"127.0.0.1:{match.group(1)}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # it stops its session's workers first
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _start_remote_agents(tmp_dir) -> list:
+    try:
+        from dtorch_zmq.keys import write_key
+    except ImportError:
+        pytest.fail("DTORCH_TEST_RUNNERS names 'remote', which needs the dtorch_zmq plugin "
+                    "(python -m pip install -e plugins/dtorch_zmq)")
+    key_file = str(tmp_dir / "session.key")
+    write_key(key_file)
+    half = -(-WORLD_SIZE // 2)  # two "nodes": ranks 0..half-1 on the first agent, the rest on the second
+    agents: list[_LocalAgent] = []
+    try:
+        for i in range(2):
+            agents.append(_LocalAgent(key_file, half, tmp_dir / f"agent{i}"))
+    except BaseException:
+        for agent in agents:
+            agent.stop()
+        raise
+    return agents
 
 
 @pytest.fixture
