@@ -75,3 +75,27 @@ def test_forward_matches(session, saved, monkeypatch, mesh_name, case):
     elif "sp" not in mesh_name:
         assert not moves
     assert not dt.fallback_counts(), dt.fallback_counts()
+
+
+@pytest.mark.parametrize("sp_mode", ["ulysses", "ring"])
+@pytest.mark.parametrize("mesh_name", ["sp4", "cfg2xsp2"])
+def test_single_stream_blocks_stay_on_sequence_shards(session, saved, mesh_name, sp_mode):
+    """diffusers' single-stream block concatenates the text and image streams along the
+    sequence and splits them at its end; dtorch_hf keeps them apart there, so on "sp" the block
+    gathers nothing: Ulysses' all-to-alls (or ring attention's shifts) are its only collectives
+    besides the rowwise proj_out's reduction on tp (none here)."""
+    ref = FluxTransformer2DModel.from_pretrained(saved).eval()
+    model = FluxTransformer2DModel.from_pretrained(saved).eval()
+    dtorch_hf.parallelize(model, make_transformer_mesh(mesh_name), sp_mode=sp_mode)
+    x = _inputs(*CASES["15img+7txt-b2"][:3], 2 if "cfg" in mesh_name else 1)
+    with torch.no_grad(), dt.debug.comm_mode() as comm:
+        got = model(**x)
+    with torch.no_grad():
+        assert rel_err(got.sample, ref(**x).sample) <= 1e-4
+    single = {}
+    for module, counts in comm.counts_by_module().items():
+        if ".single_transformer_blocks." in module:
+            for kind, n in counts.items():
+                single[kind] = single.get(kind, 0) + n
+    allowed = {"all_to_all"} if sp_mode == "ulysses" else {"shift"}
+    assert single and set(single) <= allowed, single

@@ -15,7 +15,9 @@ on the sequence (Shard(1) on "sp", uneven lengths exact). Attention runs through
 ``DtorchFluxAttnProcessor`` (installed with diffusers' ``set_attn_processor``), which computes
 diffusers' FluxAttnProcessor: q/k/v are redistributed from sequence shards to head shards (an
 all-to-all), SDPA runs on whole sequences, and the output is redistributed back to sequence
-shards. On a tp x sp mesh the heads end up split over both dims.
+shards. On a tp x sp mesh the heads end up split over both dims. The single-stream blocks run
+with the text and image streams kept apart (``_two_stream_single_block``), so their
+concatenation along the sequence never gathers.
 
 Batch (``"cfg"``, ``"dp"``): the inputs with a batch dim (``BATCH_INPUTS``) enter the model
 split on it (Shard(0)); with "sp" as well, each batch shard is then split on the sequence.
@@ -32,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dtorch_core as dt
-from dtorch_core.placement import Replicate, Shard
+from dtorch_core.placement import Shard
 
 from ..batch import lay_out
 from ..family import ModelFamily
@@ -79,74 +81,77 @@ def _heads(attn, x):
     return x.unflatten(-1, (-1, attn.head_dim))
 
 
+def _project(attn, x, added: bool = False) -> tuple:
+    """(query, key, value) of ``x`` in the (batch, seq, heads, head_dim) layout, through the
+    attention's own projections (``added``: the text stream's add_*_proj of a double block)."""
+    if added:
+        return (attn.norm_added_q(_heads(attn, attn.add_q_proj(x))), attn.norm_added_k(_heads(attn, attn.add_k_proj(x))),
+                _heads(attn, attn.add_v_proj(x)))
+    return attn.norm_q(_heads(attn, attn.to_q(x))), attn.norm_k(_heads(attn, attn.to_k(x))), _heads(attn, attn.to_v(x))
+
+
+def _joint_attention(attn, streams: list, image_rotary_emb, attention_mask=None) -> list:
+    """FluxAttnProcessor's attention over the concatenation of ``streams`` (``[(q, k, v)]``,
+    text first, as diffusers joins them): one output per stream, (batch, seq, heads, head_dim),
+    in the stream's own sequence layout. With sp_mode="ring" the streams stay on their sequence
+    shards (ring attention); otherwise (Ulysses) each stream's q/k/v go from sequence shards to
+    head shards, the joint sequence is whole on every rank (its concatenation is local), and
+    each stream's output goes back to its sequence shards."""
+    ring_dim = ring_mesh_dim(attn, streams[-1][0])
+    if ring_dim is not None and attention_mask is None:
+        return _ring_flux(streams, image_rotary_emb, ring_dim)
+    seq_sharded = [bool(_sp_dims(q)) and Shard(SEQ) in q.placements for q, _, _ in streams]
+    moved = [tuple(_move(t, SEQ, HEADS) for t in stream) for stream in streams]
+    lengths = [q.shape[SEQ] for q, _, _ in moved]
+    query, key, value = (torch.cat(ts, dim=1) if len(ts) > 1 else ts[0] for ts in zip(*moved))
+    if image_rotary_emb is not None:
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                         attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
+    out = out.transpose(1, 2)
+    # split the joint sequence while it is whole (head-sharded), then each stream back to its
+    # own sequence shards
+    parts = out.split_with_sizes(lengths, dim=1) if len(lengths) > 1 else (out,)
+    return [_move(part, HEADS, SEQ) if sharded else part for part, sharded in zip(parts, seq_sharded)]
+
+
 class DtorchFluxAttnProcessor:
-    """diffusers' FluxAttnProcessor (non-fused projections, no IP adapter), with Ulysses: q, k
-    and v go from sequence shards to head shards before the joint attention, and its output
-    back to sequence shards. With sp_mode="ring" the streams stay on their sequence shards and
-    attention runs as ring attention (dtorch_hf/ring.py). Without an "sp" dim it is
-    FluxAttnProcessor itself."""
+    """diffusers' FluxAttnProcessor (non-fused projections, no IP adapter) through
+    :func:`_joint_attention` (Ulysses or ring). Without an "sp" dim it is FluxAttnProcessor
+    itself."""
 
     _attention_backend = None
     _parallel_config = None
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 image_rotary_emb=None):
+                 image_rotary_emb=None, text_stream=None):
+        """``text_stream``: a single-stream block's text tokens kept apart from ``hidden_states``
+        (see :func:`_two_stream_single_block`), projected like them; returns (text, image)."""
         if getattr(attn, "fused_projections", False):
             raise NotImplementedError("dtorch's Flux attention does not serve fused qkv projections; unfuse them")
-        query = attn.norm_q(_heads(attn, attn.to_q(hidden_states)))
-        key = attn.norm_k(_heads(attn, attn.to_k(hidden_states)))
-        value = _heads(attn, attn.to_v(hidden_states))
-        ring_dim = ring_mesh_dim(attn, query)
-        if ring_dim is not None and attention_mask is None:
-            return _ring_flux(attn, query, key, value, encoder_hidden_states, image_rotary_emb, ring_dim)
-        # which streams were sequence-sharded (restored after attention)
-        img_seq = bool(_sp_dims(query)) and Shard(SEQ) in query.placements
-        query, key, value = (_move(t, SEQ, HEADS) for t in (query, key, value))
-        text_len = None
-        if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
-            text_len = encoder_hidden_states.shape[1]
-            eq = attn.norm_added_q(_heads(attn, attn.add_q_proj(encoder_hidden_states)))
-            ek = attn.norm_added_k(_heads(attn, attn.add_k_proj(encoder_hidden_states)))
-            ev = _heads(attn, attn.add_v_proj(encoder_hidden_states))
-            txt_seq = bool(_sp_dims(eq)) and Shard(SEQ) in eq.placements
-            eq, ek, ev = (_move(t, SEQ, HEADS) for t in (eq, ek, ev))
-            query = torch.cat([eq, query], dim=1)
-            key = torch.cat([ek, key], dim=1)
-            value = torch.cat([ev, value], dim=1)
-        if image_rotary_emb is not None:
-            from diffusers.models.embeddings import apply_rotary_emb
-
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                             attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
-        out = out.transpose(1, 2)
-        dtype = query.dtype
-        if text_len is None:
-            if img_seq:
-                out = _move(out, HEADS, SEQ)
-            return out.flatten(2, 3).to(dtype)
-        # split the joint sequence while it is whole (head-sharded), then each stream back to
-        # its own sequence shards
-        enc, out = out.split_with_sizes([text_len, out.shape[1] - text_len], dim=1)
-        if img_seq:
-            out = _move(out, HEADS, SEQ)
-        if txt_seq:
-            enc = _move(enc, HEADS, SEQ)
+        streams = [_project(attn, hidden_states)]
+        joint = encoder_hidden_states is not None and attn.added_kv_proj_dim is not None
+        if joint:
+            streams.insert(0, _project(attn, encoder_hidden_states, added=True))
+        elif text_stream is not None:
+            streams.insert(0, _project(attn, text_stream))
+        outs = _joint_attention(attn, streams, image_rotary_emb, attention_mask)
+        dtype = streams[-1][0].dtype
+        if not joint:
+            flat = tuple(o.flatten(2, 3).to(dtype) for o in outs)
+            return flat if text_stream is not None else flat[0]
+        enc, out = outs
         out = attn.to_out[1](attn.to_out[0](out.flatten(2, 3).to(dtype).contiguous()))
         enc = attn.to_add_out(enc.flatten(2, 3).to(dtype).contiguous())
         return out, enc
 
 
-def _ring_flux(attn, query, key, value, encoder_hidden_states, image_rotary_emb, ring_dim):
-    """FluxAttnProcessor's attention as ring attention: each stream stays on its sequence shards
-    (RoPE applied per stream with its part of the joint sequence's rotary table: text first)."""
-    streams = [(query, key, value)]
-    if encoder_hidden_states is not None and attn.added_kv_proj_dim is not None:
-        eq = attn.norm_added_q(_heads(attn, attn.add_q_proj(encoder_hidden_states)))
-        ek = attn.norm_added_k(_heads(attn, attn.add_k_proj(encoder_hidden_states)))
-        ev = _heads(attn, attn.add_v_proj(encoder_hidden_states))
-        streams.insert(0, (eq, ek, ev))
+def _ring_flux(streams: list, image_rotary_emb, ring_dim) -> list:
+    """The joint attention as ring attention: each stream stays on its sequence shards (RoPE
+    applied per stream with its part of the joint sequence's rotary table: text first)."""
     if image_rotary_emb is not None:
         from diffusers.models.embeddings import apply_rotary_emb
 
@@ -156,14 +161,32 @@ def _ring_flux(attn, query, key, value, encoder_hidden_states, image_rotary_emb,
             start += q.shape[SEQ]
             rotated.append((apply_rotary_emb(q, part, sequence_dim=1), apply_rotary_emb(k, part, sequence_dim=1), v))
         streams = rotated
-    outs = ring_attention(*(list(ts) for ts in zip(*streams)), ring_dim)
-    dtype = query.dtype
-    if len(outs) == 1:
-        return outs[0].flatten(2, 3).to(dtype)
-    enc, out = outs
-    out = attn.to_out[1](attn.to_out[0](out.flatten(2, 3).to(dtype).contiguous()))
-    enc = attn.to_add_out(enc.flatten(2, 3).to(dtype).contiguous())
-    return out, enc
+    return ring_attention(*(list(ts) for ts in zip(*streams)), ring_dim)
+
+
+def _two_stream_single_block(block):
+    """``block.forward`` (a FluxSingleTransformerBlock) with the text and image streams kept
+    apart where "sp" shards them. diffusers' block concatenates the two streams along the
+    sequence and splits them again at its end; with both streams sequence-sharded each of those
+    would gather the joint sequence. Every op of the block but attention is per token, so this
+    runs them per stream (the same modules, in the same order: the same values) and attention
+    over the joint sequence through the block's attention module, given both streams."""
+    original = block.forward
+
+    def forward(hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
+        if not _sp_dims(hidden_states) or joint_attention_kwargs:
+            return original(hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
+        streams = (encoder_hidden_states, hidden_states)
+        normed = [block.norm(x, emb=temb) for x in streams]
+        attended = block.attn(hidden_states=normed[1][0], image_rotary_emb=image_rotary_emb, text_stream=normed[0][0])
+        outs = []
+        for x, (n, gate), a in zip(streams, normed, attended):
+            h = torch.cat([a, block.act_mlp(block.proj_mlp(n))], dim=2)
+            h = x + gate.unsqueeze(1) * block.proj_out(h)
+            outs.append(h.clip(-65504, 65504) if h.dtype == torch.float16 else h)
+        return outs[0], outs[1]
+
+    return forward
 
 
 def _sequence_shard_inputs(model):
@@ -192,24 +215,6 @@ def _sequence_shard_inputs(model):
     return hook
 
 
-def _reshard_joint_sequence(module, args, kwargs):
-    # a single-stream block concatenates the text and image streams along the sequence, and
-    # dtorch_core's cat gathers a dim sharded in both inputs: the joint sequence is sharded
-    # again (a local slice of the gathered tensor) before the block's norm, so its MLP and
-    # attention run on sequence shards (and Ulysses) again
-    x = args[0] if args else kwargs.get("hidden_states")
-    dims = [i for i in _sp_dims(x) if x.placements[i] == Replicate()]
-    if not dims:
-        return args, kwargs
-    wanted = list(x.placements)
-    for i in dims:
-        wanted[i] = Shard(SEQ)
-    x = x.redistribute(x.device_mesh, wanted)
-    if args:
-        return (x,) + tuple(args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": x}
-
-
 def prepare(model: nn.Module) -> None:
     """Install dtorch's attention processor and the sequence-parallel hooks (once)."""
     if getattr(model, _HOOKED, False):
@@ -217,7 +222,7 @@ def prepare(model: nn.Module) -> None:
     model.set_attn_processor(DtorchFluxAttnProcessor())
     model.register_forward_pre_hook(_sequence_shard_inputs(model), with_kwargs=True)
     for block in model.single_transformer_blocks:
-        block.norm.register_forward_pre_hook(_reshard_joint_sequence, with_kwargs=True)
+        block.forward = _two_stream_single_block(block)
     setattr(model, _HOOKED, True)
 
 
