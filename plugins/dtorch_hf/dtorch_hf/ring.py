@@ -122,12 +122,20 @@ def _pass_on(x):
     return torch.roll(x, -1, 2)
 
 
-def _attend(q, k, v, bias, scale):
+def _attend(q, k, v, bias, scale, needs_grad=True):
     """Attention of query blocks to key/value blocks ((batch, heads, tokens, dim)): the output,
     its fp32 log-sum-exp (batch, heads, queries), and what :func:`_attend_backward` needs besides
-    (CUDA: the RNG state, unused without dropout, and the kernel's log-sum-exp width)."""
+    (CUDA: the RNG state, unused without dropout, and the kernel's log-sum-exp width).
+
+    Without a gradient to come, unpadded fp16/bf16 CUDA blocks go through aten's flash op (no
+    bias, an exact log-sum-exp): the op an attention-kernel plugin (dtorch_sage_attn) serves for
+    inference; inside this autograd.Function grad mode is off, so the op, not grad mode, is what
+    tells inference from training."""
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias, scale=scale)
+        return out, lse, None
+    if not needs_grad and bias is None and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
         return out, lse, None
     out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
         q, k, v, _full_bias(bias, q, k), True, 0.0, False, scale=scale)
@@ -170,9 +178,10 @@ class _RingAttention(torch.autograd.Function):
         flat_q = q.flatten(0, 1)
         kv = torch.stack([k, v])
         out = lse = None
+        needs_grad = any(ctx.needs_input_grad[:3])
         for step in range(n):
             bias = None if biases is None else biases[step]
-            part, part_lse, state = _attend(flat_q, kv[0].flatten(0, 1), kv[1].flatten(0, 1), bias, scale)
+            part, part_lse, state = _attend(flat_q, kv[0].flatten(0, 1), kv[1].flatten(0, 1), bias, scale, needs_grad)
             part = part.float()
             if out is None:
                 out, lse = part, part_lse
