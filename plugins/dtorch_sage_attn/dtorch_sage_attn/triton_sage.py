@@ -1,0 +1,249 @@
+"""Our SageAttention-2-style attention kernel in Triton, tuned for Hopper (inference only).
+
+The recipe (SageAttention, SageAttention2 papers): K smoothed (its mean over the sequence
+subtracted; softmax does not change) and quantised to INT8 per block of keys; Q quantised to INT8
+per block of queries inside the attention kernel, with the softmax scale and log2(e) folded into
+its scale; QK^T as an INT8 dot with int32 accumulation; online softmax in fp32 with exp2; P
+(scaled by 448 to fill e4m3) and V (mean subtracted, scaled per channel) in FP8 e4m3 for the PV
+dot with fp32 accumulation; the scales, V's mean and 1/l applied once at the end.
+
+    sage_attention(q, k, v, causal=False, scale=None, return_lse=False)
+    unsupported_reason(q, k, v, causal=..., attn_mask=..., dropout_p=...) -> str | None
+
+No host syncs and no allocation outside torch's caching allocator (output and scratch), so it can
+be captured in a CUDA graph. Launch configurations are fixed per (head dim, causal), measured on
+one H200 (bench/attention.py --sweep); DTORCH_SAGE_CONFIG="BM,BN,warps,stages[,fused_acc]" overrides them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs; unsupported_reason says so
+    triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class LaunchConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    fused_acc: int = 0  # 1: P.V accumulates in the MMA's accumulator (faster, less precise)
+
+
+# (head_dim, causal) -> launch config, from bench/attention.py --sweep on one H200
+_CONFIGS = {
+    (64, False): LaunchConfig(64, 128, 4, 3),
+    (64, True): LaunchConfig(64, 128, 4, 3),
+    (128, False): LaunchConfig(64, 128, 4, 3),
+    (128, True): LaunchConfig(64, 128, 4, 3),
+}
+
+
+def launch_config(head_dim: int, causal: bool) -> LaunchConfig:
+    forced = os.environ.get("DTORCH_SAGE_CONFIG")
+    if forced:
+        return LaunchConfig(*(int(x) for x in forced.split(",")))
+    return _CONFIGS[(head_dim, causal)]
+
+
+def unsupported_reason(q, k, v, *, causal, attn_mask, dropout_p) -> str | None:
+    """Why this kernel cannot serve the call, or None when it can."""
+    if triton is None:
+        return "triton is not installed"
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return "q, k and v must be tensors"
+    if attn_mask is not None:
+        return "attention masks are not supported"
+    if dropout_p:
+        return "dropout is not supported"
+    if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
+        return "inputs need gradients (this kernel has no backward)"
+    if any(t.dtype not in _DTYPES for t in tensors) or len({t.dtype for t in tensors}) != 1:
+        return f"dtype {q.dtype}/{k.dtype}/{v.dtype}: needs float16 or bfloat16, all the same"
+    if any(t.dim() != 4 for t in tensors):
+        return "needs 4-D (batch, heads, seq, head_dim) inputs"
+    if len({t.device for t in tensors}) != 1:
+        return "q, k and v are on different devices"
+    batch, hq, sq, dim = q.shape
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != dim:
+        return f"shapes q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)} do not match"
+    if dim not in (64, 128):
+        return f"head_dim {dim}: needs 64 or 128"
+    if k.shape[1] == 0 or hq % k.shape[1]:
+        return f"{hq} query heads are not a multiple of {k.shape[1]} kv heads"
+    if sq == 0 or k.shape[2] == 0 or batch == 0 or hq == 0:
+        return "empty input"
+    if causal and sq != k.shape[2]:
+        return "causal needs equal query and key lengths"
+    if q.device.type != "cuda" and not (_INTERPRET and q.device.type == "cpu"):
+        return f"device {q.device.type}: needs CUDA"
+    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 9):
+        return "needs FP8 tensor cores (compute capability 8.9 or newer)"
+    return None
+
+
+if triton is not None:
+    from .triton_quant import (
+        SEQ_PAD,
+        quantize_kv,
+        round_to_e4m3,
+    )
+
+    _LN2 = tl.constexpr(LN2)
+
+    _LOG2_FP8_MAX = tl.constexpr(math.log2(448.0))
+    # int32 -> fp32 without I2F (a quarter-rate instruction): add 1.5 * 2**23 as bits and read
+    # the word as a float; exact for |x| < 2**22 (INT8 scores of D <= 128 stay below 2.1e6)
+    _MAGIC_BITS = tl.constexpr(0x4B400000)
+    _MAGIC = tl.constexpr(12582912.0)
+
+    @triton.jit
+    def _attn_blocks(acc, l_i, m_i, q_i8, q_step, k_ptrs, ks_ptr, vt_ptrs, offs_m, lo, hi,
+                     Sk, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                     EXACT_FP8: tl.constexpr, FUSED_ACC: tl.constexpr):
+        """Keys [lo, hi): MASK 0 none, 1 keys >= Sk, 2 causal (key > query).
+
+        m_i is in log2 units of the scaled scores; P comes out of exp2 already times 448 (the
+        e4m3 range), and l_i sums that same P, so the factor cancels in acc / l_i.
+        """
+        offs_n = tl.arange(0, BLOCK_N)
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            k = tl.load(k_ptrs + start_n * D)  # (D, BLOCK_N) int8, zero past Sk
+            c = q_step * tl.load(ks_ptr + start_n // BLOCK_N)  # one scale per (Q, K) block pair
+            s = (tl.dot(q_i8, k) + _MAGIC_BITS).to(tl.float32, bitcast=True)  # _MAGIC + score
+            if MASK == 1:
+                s = tl.where((start_n + offs_n < Sk)[None, :], s, float("-inf"))
+            elif MASK == 2:
+                s = tl.where((start_n + offs_n)[None, :] <= offs_m[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, (tl.max(s, 1) - _MAGIC) * c)
+            p = tl.math.exp2(s * c - (m_new + c * _MAGIC - _LOG2_FP8_MAX)[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            vt = tl.load(vt_ptrs + start_n)  # (D, BLOCK_N) fp8: K-major B operand
+            if EXACT_FP8:
+                p = round_to_e4m3(p)
+            if FUSED_ACC:  # one accumulator, fed to the MMA (the tensor core's FP8 precision)
+                acc = tl.dot(p.to(vt.dtype), tl.trans(vt), acc * alpha[:, None])
+            else:  # two-level: each block's P.V in a fresh fp32 accumulator, added here
+                acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), tl.trans(vt))
+            m_i = m_new
+        return acc, l_i, m_i
+
+    @triton.jit
+    def _sage_attn_kernel(Q, KInt8, KScale, VtFp8, HeadStats, Out, Lse,
+                          stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
+                          Hq, Hkv, Sq, Sk, Sk_pad, qk_scale, sm_scale,
+                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr,
+                          EXACT_FP8: tl.constexpr, FUSED_ACC: tl.constexpr):
+        pid_m = tl.program_id(0)
+        if CAUSAL:  # the longest rows first, so the short ones fill the tail
+            pid_m = tl.num_programs(0) - 1 - pid_m
+        head = tl.program_id(1)
+        batch = tl.program_id(2)
+        kv_bh = (batch * Hkv + head // (Hq // Hkv)).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D)
+        row_ok = (offs_m < Sq)[:, None]
+
+        q = tl.load(Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+                    + offs_m[:, None] * stride_qm + offs_d[None, :], mask=row_ok, other=0.0)
+        q = q.to(tl.float32)
+        q_amax = tl.maximum(tl.max(tl.abs(q)), 1e-20)
+        q_i8 = q * (127.0 / q_amax)
+        q_i8 = (q_i8 + tl.where(q_i8 >= 0, 0.5, -0.5)).to(tl.int8)
+        q_step = q_amax / 127.0 * qk_scale  # scores in log2 units
+
+        k_ptrs = KInt8 + kv_bh * Sk_pad * D + offs_n[None, :] * D + offs_d[:, None]
+        ks_ptr = KScale + kv_bh * (Sk_pad // BLOCK_N)
+        vt_ptrs = VtFp8 + kv_bh * D * Sk_pad + offs_d[:, None] * Sk_pad + offs_n[None, :]
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        if CAUSAL:
+            # key blocks wholly left of this query block's first row need no mask (BLOCK_N may
+            # be larger than BLOCK_M: round down); the rest up to its last row are masked
+            unmasked = (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N
+            hi = (pid_m + 1) * BLOCK_M  # <= Sk_pad; keys past Sk are zeros and masked
+            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q_i8, q_step, k_ptrs, ks_ptr, vt_ptrs,
+                                         offs_m, 0, unmasked, Sk, D, BLOCK_N, 0, EXACT_FP8,
+                                         FUSED_ACC)
+            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q_i8, q_step, k_ptrs, ks_ptr, vt_ptrs,
+                                         offs_m, unmasked, hi, Sk, D, BLOCK_N, 2, EXACT_FP8,
+                                         FUSED_ACC)
+        else:
+            full = (Sk // BLOCK_N) * BLOCK_N
+            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q_i8, q_step, k_ptrs, ks_ptr, vt_ptrs,
+                                         offs_m, 0, full, Sk, D, BLOCK_N, 0, EXACT_FP8,
+                                         FUSED_ACC)
+            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q_i8, q_step, k_ptrs, ks_ptr, vt_ptrs,
+                                         offs_m, full, tl.cdiv(Sk, BLOCK_N) * BLOCK_N, Sk,
+                                         D, BLOCK_N, 1, EXACT_FP8, FUSED_ACC)
+
+        stats = HeadStats + kv_bh * (3 * D) + offs_d
+        v_mean = tl.load(stats + D)
+        v_scale = tl.load(stats + 2 * D)  # V's per-channel scale (P's 448 cancels in acc / l)
+        out = acc * (1.0 / l_i)[:, None] * v_scale[None, :] + v_mean[None, :]
+        tl.store(Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+                 + offs_m[:, None] * stride_om + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok)
+        if RETURN_LSE:
+            # the scores were of K - mean(K): add q . mean(K) back (natural log units)
+            k_mean = tl.load(stats)
+            shift = tl.sum(q * k_mean[None, :], 1) * sm_scale
+            lse = (m_i + tl.math.log2(l_i) - _LOG2_FP8_MAX) * _LN2 + shift
+            tl.store(Lse + (batch * Hq + head).to(tl.int64) * Sq + offs_m, lse,
+                     mask=offs_m < Sq)
+
+
+def _sage_attention(q, k, v, causal, scale, return_lse, config: LaunchConfig):
+    batch, hq, sq, dim = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if scale is None:
+        scale = 1.0 / math.sqrt(dim)
+    assert SEQ_PAD % config.block_n == 0
+    k_int8, k_scale, vt_fp8, head_stats = quantize_kv(k, v, block=config.block_n)
+    out = torch.empty_like(q)  # keeps q's layout (e.g. (B, S, H, D) memory from diffusers)
+    lse = (torch.empty((batch, hq, sq), device=q.device, dtype=torch.float32) if return_lse
+           else out)
+    grid = (triton.cdiv(sq, config.block_m), hq, batch)
+    _sage_attn_kernel[grid](
+        q, k_int8, k_scale, vt_fp8, head_stats, out, lse,
+        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        hq, hkv, sq, sk, k_int8.shape[2], scale * LOG2E, scale,
+        D=dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=causal,
+        RETURN_LSE=return_lse, EXACT_FP8=_INTERPRET, FUSED_ACC=config.fused_acc,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return (out, lse) if return_lse else out
+
+
+def sage_attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+    """Attention of q (B, Hq, Sq, D) over k, v (B, Hkv, Sk, D); Hq % Hkv == 0 (GQA).
+
+    Returns out (B, Hq, Sq, D) in q's dtype, and with return_lse also lse (B, Hq, Sq) float32:
+    the natural-log log-sum-exp of the scaled scores (aten's flash-attention convention).
+    Causal masking is top-left aligned (SDPA's is_causal) and needs Sq == Sk.
+    """
+    reason = unsupported_reason(q, k, v, causal=causal, attn_mask=None, dropout_p=0.0)
+    if reason is not None:
+        raise ValueError(f"sage_attention: {reason}")
+    return _sage_attention(q, k, v, causal, scale, return_lse,
+                           launch_config(q.shape[-1], causal))

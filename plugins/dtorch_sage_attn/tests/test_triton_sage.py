@@ -1,0 +1,206 @@
+"""Our Triton SageAttention kernel (dtorch_sage_attn.triton_sage) against fp32 SDPA.
+
+On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1), which must be set before
+Triton decorates them, so the cases run in one subprocess (this file with --run-cases) that
+prints a JSON line per case; on a CUDA machine the same cases also run compiled. Shapes are small
+and uneven (77, 130: not multiples of the blocks), head dims 64 and 128, causal and not, GQA 4:1,
+bf16 and fp16, a (B, S, H, D)-strided view as diffusers makes it, and the log-sum-exp.
+
+The gate (cosine >= 0.9995, relative L1 <= 1e-2, finite) is checked on inputs with per-channel
+offsets in K and V, as activations have them (K smoothing and V's mean take them out). On i.i.d.
+randn inputs the FP8 P.V product alone gives about 3% relative L1 (the output is pure noise
+there), so those cases check a looser bound that still catches a broken kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (the kernel needs it)")
+
+PLUGIN_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GATE_COSINE, GATE_REL_L1 = 0.9995, 1e-2
+LSE_TOL = 0.08  # natural-log units; INT8 scores move the log-sum-exp by a few hundredths
+
+# name: (batch, q heads, kv heads, Sq, Sk, head_dim, causal, dtype, inputs, layout)
+CASES = {
+    "d64_uneven_bf16": (1, 2, 2, 130, 77, 64, False, "bfloat16", "offsets", "bhsd"),
+    "d128_uneven_fp16": (2, 2, 2, 77, 130, 128, False, "float16", "offsets", "bhsd"),
+    "d64_causal_gqa_bf16": (1, 8, 2, 130, 130, 64, True, "bfloat16", "offsets", "bhsd"),
+    "d128_causal_fp16": (1, 2, 2, 77, 77, 128, True, "float16", "offsets", "bhsd"),
+    "d128_gqa_bshd_bf16": (2, 4, 1, 77, 130, 128, False, "bfloat16", "offsets", "bshd"),
+    "d64_causal_bshd_fp16": (1, 4, 4, 130, 130, 64, True, "float16", "offsets", "bshd"),
+    "d128_randn_bf16": (1, 2, 2, 130, 130, 128, False, "bfloat16", "randn", "bhsd"),
+    "d64_causal_randn_gqa_fp16": (1, 4, 1, 77, 77, 64, True, "float16", "randn", "bhsd"),
+}
+
+
+def make_inputs(case, device, seed=0):
+    batch, hq, hkv, sq, sk, dim, _, dtype, inputs, layout = case
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, hq, sq, dim, generator=gen)
+    k = torch.randn(batch, hkv, sk, dim, generator=gen)
+    v = torch.randn(batch, hkv, sk, dim, generator=gen)
+    if inputs == "offsets":
+        k = k + 3.0 * torch.randn(dim, generator=gen)
+        v = v + 2.0 * torch.randn(dim, generator=gen)
+    dtype = getattr(torch, dtype)
+    tensors = []
+    for t in (q, k, v):
+        t = t.to(device=device, dtype=dtype)
+        if layout == "bshd":  # (B, S, H, D) memory seen as (B, H, S, D), no copy
+            t = t.transpose(1, 2).contiguous().transpose(1, 2)
+        tensors.append(t)
+    return tensors
+
+
+def reference(q, k, v, causal):
+    """fp32 SDPA output and the log-sum-exp of the scaled scores (kv heads repeated for GQA)."""
+    group = q.shape[1] // k.shape[1]
+    q32 = q.float()
+    k32 = k.float().repeat_interleave(group, 1)
+    v32 = v.float().repeat_interleave(group, 1)
+    scores = q32 @ k32.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        blocked = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(blocked, float("-inf"))
+    out = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, is_causal=causal)
+    return out, torch.logsumexp(scores, dim=-1)
+
+
+def errors(out, ref):
+    out, ref = out.double(), ref.double()
+    return {
+        "finite": bool(torch.isfinite(out).all()),
+        "cosine": float(torch.nn.functional.cosine_similarity(out.flatten(), ref.flatten(), 0)),
+        "rel_l1": float((out - ref).abs().sum() / ref.abs().sum()),
+        "max_abs": float((out - ref).abs().max()),
+    }
+
+
+def _patch_interpreter_for_numpy_2_4():
+    """Triton 3.6's interpreter turns loop bounds into ints with int() of a 1-element array,
+    which numpy >= 2.4 refuses (triton-lang/triton#9171, fixed after 3.6): squeeze first."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def run_cases(device):
+    """Runs every case (and on CUDA a graph capture) and prints one JSON line each."""
+    if device == "cpu":
+        _patch_interpreter_for_numpy_2_4()
+    sys.path.insert(0, PLUGIN_ROOT)
+    from dtorch_sage_attn.triton_sage import (
+        LaunchConfig,
+        _sage_attention,
+        sage_attention,
+    )
+
+    for name, case in CASES.items():
+        q, k, v = make_inputs(case, device)
+        causal = case[6]
+        out, lse = sage_attention(q, k, v, causal=causal, return_lse=True)
+        ref, ref_lse = reference(q, k, v, causal)
+        row = {"case": name, **errors(out, ref),
+               "lse_max_abs": float((lse.double() - ref_lse.double()).abs().max()),
+               "out_dtype": str(out.dtype), "out_shape": list(out.shape),
+               "lse_shape": list(lse.shape), "lse_dtype": str(lse.dtype),
+               "plain_equals_lse_out": bool(torch.equal(
+                   sage_attention(q, k, v, causal=causal), out))}
+        print(json.dumps(row), flush=True)
+        # the other tiling (BLOCK_M > BLOCK_N) than the default's: the causal split differs
+        other = _sage_attention(q, k, v, causal, None, False, LaunchConfig(128, 64, 4, 2))
+        print(json.dumps({"case": f"{name}@128x64", **errors(other, ref)}), flush=True)
+    if device == "cuda":
+        q, k, v = make_inputs(CASES["d128_causal_fp16"], device)
+        eager = sage_attention(q, k, v, causal=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = sage_attention(q, k, v, causal=True)
+        q.copy_(q * 0.5)  # new inputs in place, replay must follow them
+        graph.replay()
+        fresh = sage_attention(q, k, v, causal=True)
+        torch.cuda.synchronize()
+        print(json.dumps({"case": "cuda_graph", "replay_equals_eager": bool(torch.equal(
+            captured, fresh)), "changed": not bool(torch.equal(captured, eager))}), flush=True)
+
+
+def _collect(device):
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--run-cases", device],
+                          check=False, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {row["case"]: row for row in map(json.loads, proc.stdout.splitlines())}
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def results(request):
+    return request.param, _collect(request.param)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_output_and_lse_match_fp32(results, name):
+    _, rows = results
+    row, case = rows[name], CASES[name]
+    batch, hq, _, sq, _, dim, _, dtype, inputs, _ = case
+    assert row["out_dtype"] == f"torch.{dtype}" and row["out_shape"] == [batch, hq, sq, dim]
+    assert row["lse_dtype"] == "torch.float32" and row["lse_shape"] == [batch, hq, sq]
+    assert row["finite"], row
+    if inputs == "offsets":
+        assert row["cosine"] >= GATE_COSINE and row["rel_l1"] <= GATE_REL_L1, row
+    else:
+        assert row["cosine"] >= 0.998 and row["rel_l1"] <= 0.06, row
+    assert row["lse_max_abs"] <= LSE_TOL, row
+    assert row["plain_equals_lse_out"], row
+    other = rows[f"{name}@128x64"]
+    assert other["finite"] and other["cosine"] >= row["cosine"] - 1e-4, (other, row)
+    assert other["rel_l1"] <= max(row["rel_l1"] * 1.5, GATE_REL_L1 / 2), (other, row)
+
+
+def test_cuda_graph_replay(results):
+    device, rows = results
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    assert rows["cuda_graph"] == {"case": "cuda_graph", "replay_equals_eager": True,
+                                  "changed": True}
+
+
+def test_unsupported_reasons():
+    sys.path.insert(0, PLUGIN_ROOT)
+    from dtorch_sage_attn.triton_sage import unsupported_reason
+
+    q, k, v = make_inputs(CASES["d64_uneven_bf16"], "cpu")
+    kwargs = {"causal": False, "attn_mask": None, "dropout_p": 0.0}
+    assert "mask" in unsupported_reason(q, k, v, **{**kwargs, "attn_mask": torch.ones(1)})
+    assert "dropout" in unsupported_reason(q, k, v, **{**kwargs, "dropout_p": 0.1})
+    assert "dtype" in unsupported_reason(q.float(), k.float(), v.float(), **kwargs)
+    assert "head_dim" in unsupported_reason(q[..., :32], k[..., :32], v[..., :32], **kwargs)
+    assert "causal" in unsupported_reason(q, k, v, **{**kwargs, "causal": True})
+    assert "heads" in unsupported_reason(q[:, :2], k[:, :1].expand(1, 3, 77, 64),
+                                         v[:, :1].expand(1, 3, 77, 64), **kwargs)
+    assert "gradients" in unsupported_reason(q.requires_grad_(), k, v, **kwargs)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        assert "CUDA" in unsupported_reason(q.detach(), k, v, **kwargs)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--run-cases"]:
+    run_cases(sys.argv[2])
