@@ -48,7 +48,7 @@ def fused_stats(since=None) -> list[dict]:
 
 
 def in_process_only(runner):
-    if runner == "process":
+    if runner in ("process", "remote"):  # workers in processes of their own
         pytest.skip("compiles once more in every worker process; the worker code is the one tested in-process")
 
 
