@@ -41,12 +41,20 @@ def _sageattention_unsupported(call: AttentionCall) -> str | None:
     if call.q.shape[1] != call.k.shape[1]:
         # its users report wrong bf16 output with GQA; the gate would catch it, but not run it
         return "GQA (query heads != key heads)"
+    if call.causal and call.q.shape[2] != call.k.shape[2]:
+        return "causal with Sq != Sk (sageattention 1.0.6 masks only square attention)"
+    if any(t.stride(-1) != 1 for t in (call.q, call.k, call.v)):
+        return "a head dim that is not contiguous"
     return None
 
 
 def _sageattention_candidate(sageattn) -> Candidate:
     def run(call: AttentionCall):
-        out = sageattn(call.q, call.k, call.v, tensor_layout="HND", is_causal=call.causal, sm_scale=call.scale)
+        # its own K smoothing subtracts the mean from k in place (k is the worker's tensor, read
+        # again later): smooth out of place instead (softmax is unchanged by it either way)
+        k = call.k - call.k.mean(dim=2, keepdim=True)
+        out = sageattn(call.q, k, call.v, tensor_layout="HND", is_causal=call.causal, sm_scale=call.scale,
+                       smooth_k=False)
         return out, None
 
     return Candidate("sageattention", "sage", run, _sageattention_unsupported)

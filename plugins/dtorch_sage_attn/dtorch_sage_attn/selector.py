@@ -77,10 +77,14 @@ def decision_key(call: AttentionCall, mode: str) -> str:
             f"sk<={bucket(k.shape[2])} gqa{gqa} {'lse' if call.need_lse else 'out'} {mode}")
 
 
+_device_names: dict = {}
+
+
 def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return device.type
+    name = _device_names.get(device)
+    if name is None:
+        name = _device_names[device] = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return name
 
 
 def is_capturing(call: AttentionCall) -> bool:

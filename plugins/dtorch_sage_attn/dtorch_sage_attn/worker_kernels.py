@@ -87,9 +87,11 @@ class OutputLayout:
             elif i == LSE_INDEX:
                 result.append(self._lse(bound, m, lse, device))
             elif isinstance(m, torch.Tensor):
-                # the memory-efficient op keeps its philox seed/offset on the CPU
+                # RNG state and debug outputs, never read without dropout (uninitialised, as some
+                # dtypes, e.g. uint64, cannot be filled on CUDA); the memory-efficient op keeps
+                # its philox seed/offset on the CPU
                 where = "cpu" if self.name == "_scaled_dot_product_efficient_attention" else device
-                result.append(torch.zeros(m.shape, dtype=m.dtype, device=where))
+                result.append(torch.empty(m.shape, dtype=m.dtype, device=where))
             else:
                 result.append(m)
         return tuple(result)
