@@ -26,6 +26,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU-only installs; unsupported_reason says so
     triton = None
 
@@ -43,12 +44,16 @@ class LaunchConfig(NamedTuple):
     fused_acc: int = 0  # 1: P.V accumulates in the MMA's accumulator (faster, less precise)
 
 
-# (head_dim, causal) -> launch config, from bench/attention.py --sweep on one H200
+# (head_dim, causal) -> launch config. The measured best on one H200 for the pointer-load version
+# of this kernel (bench/attention.py --sweep) was (64, 128, 4, 3); it spilled registers at 8
+# warps. Since K and V come through TMA, every config here compiles for sm_90 with no spills
+# (255 registers at D=128, 175 at D=64), and 128x128 with 8 warps, Hopper's usual
+# flash-attention tile, is the default: not yet timed on a GPU (run --sweep and update these).
 _CONFIGS = {
-    (64, False): LaunchConfig(64, 128, 4, 3),
-    (64, True): LaunchConfig(64, 128, 4, 3),
-    (128, False): LaunchConfig(64, 128, 4, 3),
-    (128, True): LaunchConfig(64, 128, 4, 3),
+    (64, False): LaunchConfig(128, 128, 8, 3),
+    (64, True): LaunchConfig(128, 128, 8, 3),
+    (128, False): LaunchConfig(128, 128, 8, 3),
+    (128, True): LaunchConfig(128, 128, 8, 3),
 }
 
 
@@ -112,7 +117,8 @@ if triton is not None:
     _MAGIC = tl.constexpr(12582912.0)
 
     @triton.jit
-    def _attn_blocks(acc, l_i, m_i, q_i8, q_step, k_ptrs, ks_ptr, vt_ptrs, offs_m, lo, hi,
+    def _attn_blocks(acc, l_i, m_i, q_i8, q_step, k_desc, k_row, ks_ptr, vt_desc, vt_row,
+                     offs_m, lo, hi,
                      Sk, D: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                      EXACT_FP8: tl.constexpr, FUSED_ACC: tl.constexpr):
         """Keys [lo, hi): MASK 0 none, 1 keys >= Sk, 2 causal (key > query).
@@ -123,9 +129,9 @@ if triton is not None:
         offs_n = tl.arange(0, BLOCK_N)
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
-            k = tl.load(k_ptrs + start_n * D)  # (D, BLOCK_N) int8, zero past Sk
+            k = k_desc.load([k_row + start_n, 0])  # (BLOCK_N, D) int8 through TMA, zero past Sk
             c = q_step * tl.load(ks_ptr + start_n // BLOCK_N)  # one scale per (Q, K) block pair
-            s = (tl.dot(q_i8, k) + _MAGIC_BITS).to(tl.float32, bitcast=True)  # _MAGIC + score
+            s = (tl.dot(q_i8, k.T) + _MAGIC_BITS).to(tl.float32, bitcast=True)  # _MAGIC + score
             if MASK == 1:
                 s = tl.where((start_n + offs_n < Sk)[None, :], s, float("-inf"))
             elif MASK == 2:
@@ -134,7 +140,7 @@ if triton is not None:
             p = tl.math.exp2(s * c - (m_new + c * _MAGIC - _LOG2_FP8_MAX)[:, None])
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, 1)
-            vt = tl.load(vt_ptrs + start_n)  # (D, BLOCK_N) fp8: K-major B operand
+            vt = vt_desc.load([vt_row, start_n])  # (D, BLOCK_N) fp8: K-major B operand
             if EXACT_FP8:
                 p = round_to_e4m3(p)
             if FUSED_ACC:  # one accumulator, fed to the MMA (the tensor core's FP8 precision)
@@ -145,7 +151,7 @@ if triton is not None:
         return acc, l_i, m_i
 
     @triton.jit
-    def _sage_attn_kernel(Q, KInt8, KScale, VtFp8, HeadStats, Out, Lse,
+    def _sage_attn_kernel(Q, KDesc, KScale, VtDesc, HeadStats, Out, Lse,
                           stride_qb, stride_qh, stride_qm, stride_ob, stride_oh, stride_om,
                           Hq, Hkv, Sq, Sk, Sk_pad, qk_scale, sm_scale,
                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -158,7 +164,6 @@ if triton is not None:
         batch = tl.program_id(2)
         kv_bh = (batch * Hkv + head // (Hq // Hkv)).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D)
         row_ok = (offs_m < Sq)[:, None]
 
@@ -170,9 +175,15 @@ if triton is not None:
         q_i8 = (q_i8 + tl.where(q_i8 >= 0, 0.5, -0.5)).to(tl.int8)
         q_step = q_amax / 127.0 * qk_scale  # scores in log2 units
 
-        k_ptrs = KInt8 + kv_bh * Sk_pad * D + offs_n[None, :] * D + offs_d[:, None]
+        # K (B*Hkv*Sk_pad, D) and V^T (B*Hkv*D, Sk_pad) come through TMA descriptors: no
+        # per-element pointers held in registers across the loop
+        k_row = (kv_bh * Sk_pad).to(tl.int32)
+        vt_row = (kv_bh * D).to(tl.int32)
         ks_ptr = KScale + kv_bh * (Sk_pad // BLOCK_N)
-        vt_ptrs = VtFp8 + kv_bh * D * Sk_pad + offs_d[:, None] * Sk_pad + offs_n[None, :]
+
+        stats = HeadStats + kv_bh * (3 * D) + offs_d
+        if RETURN_LSE:  # the scores are of K - mean(K): q . mean(K) goes back into the lse
+            lse_shift = tl.sum(q * tl.load(stats)[None, :], 1) * sm_scale
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -180,24 +191,18 @@ if triton is not None:
         if CAUSAL:
             # key blocks wholly left of this query block's first row need no mask (BLOCK_N may
             # be larger than BLOCK_M: round down); the rest up to its last row are masked
-            unmasked = (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N
-            hi = (pid_m + 1) * BLOCK_M  # <= Sk_pad; keys past Sk are zeros and masked
-            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q_i8, q_step, k_ptrs, ks_ptr, vt_ptrs,
-                                         offs_m, 0, unmasked, Sk, D, BLOCK_N, 0, EXACT_FP8,
-                                         FUSED_ACC)
-            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q_i8, q_step, k_ptrs, ks_ptr, vt_ptrs,
-                                         offs_m, unmasked, hi, Sk, D, BLOCK_N, 2, EXACT_FP8,
-                                         FUSED_ACC)
+            mask_from = (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N
+            end, tail_mask = (pid_m + 1) * BLOCK_M, 2  # <= Sk_pad; keys past Sk are zeros
         else:
-            full = (Sk // BLOCK_N) * BLOCK_N
-            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q_i8, q_step, k_ptrs, ks_ptr, vt_ptrs,
-                                         offs_m, 0, full, Sk, D, BLOCK_N, 0, EXACT_FP8,
-                                         FUSED_ACC)
-            acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q_i8, q_step, k_ptrs, ks_ptr, vt_ptrs,
-                                         offs_m, full, tl.cdiv(Sk, BLOCK_N) * BLOCK_N, Sk,
-                                         D, BLOCK_N, 1, EXACT_FP8, FUSED_ACC)
+            mask_from = (Sk // BLOCK_N) * BLOCK_N
+            end, tail_mask = tl.cdiv(Sk, BLOCK_N) * BLOCK_N, 1
+        acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q_i8, q_step, KDesc, k_row, ks_ptr, VtDesc,
+                                     vt_row, offs_m, 0, mask_from, Sk, D, BLOCK_N, 0,
+                                     EXACT_FP8, FUSED_ACC)
+        acc, l_i, m_i = _attn_blocks(acc, l_i, m_i, q_i8, q_step, KDesc, k_row, ks_ptr, VtDesc,
+                                     vt_row, offs_m, mask_from, end, Sk, D, BLOCK_N, tail_mask,
+                                     EXACT_FP8, FUSED_ACC)
 
-        stats = HeadStats + kv_bh * (3 * D) + offs_d
         v_mean = tl.load(stats + D)
         v_scale = tl.load(stats + 2 * D)  # V's per-channel scale (P's 448 cancels in acc / l)
         out = acc * (1.0 / l_i)[:, None] * v_scale[None, :] + v_mean[None, :]
@@ -205,10 +210,7 @@ if triton is not None:
                  + offs_m[:, None] * stride_om + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=row_ok)
         if RETURN_LSE:
-            # the scores were of K - mean(K): add q . mean(K) back (natural log units)
-            k_mean = tl.load(stats)
-            shift = tl.sum(q * k_mean[None, :], 1) * sm_scale
-            lse = (m_i + tl.math.log2(l_i) - _LOG2_FP8_MAX) * _LN2 + shift
+            lse = (m_i + tl.math.log2(l_i) - _LOG2_FP8_MAX) * _LN2 + lse_shift
             tl.store(Lse + (batch * Hq + head).to(tl.int64) * Sq + offs_m, lse,
                      mask=offs_m < Sq)
 
@@ -225,8 +227,10 @@ def _sage_attention(q, k, v, causal, scale, return_lse, config: LaunchConfig):
     lse = (torch.empty((batch, hq, sq), device=q.device, dtype=torch.float32) if return_lse
            else out)
     grid = (triton.cdiv(sq, config.block_m), hq, batch)
+    k_desc = TensorDescriptor.from_tensor(k_int8.view(-1, dim), [config.block_n, dim])
+    vt_desc = TensorDescriptor.from_tensor(vt_fp8.view(-1, vt_fp8.shape[-1]), [dim, config.block_n])
     _sage_attn_kernel[grid](
-        q, k_int8, k_scale, vt_fp8, head_stats, out, lse,
+        q, k_desc, k_scale, vt_desc, head_stats, out, lse,
         q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         hq, hkv, sq, sk, k_int8.shape[2], scale * LOG2E, scale,
         D=dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, CAUSAL=causal,
