@@ -171,6 +171,13 @@ class Selector:
                 return sdpa
             if capturing and (gpu, key, chosen.name) not in self.warmed:
                 return sdpa
+            if chosen is not sdpa:
+                # a key covers a range of lengths: this call may be one the kernel cannot serve
+                # (causal with Sq != Sk where the first call had Sq == Sk, say)
+                why = chosen.unsupported(call)
+                if why:
+                    _say_once(f"attention {key}: {chosen.name} cannot serve a call of this key ({why}); SDPA runs it")
+                    return sdpa
             self.warmed.add((gpu, key, chosen.name))
             return chosen
 

@@ -163,7 +163,11 @@ def inference_kernel(op):
         chosen = get_selector().choose(call, sdpa)
         if chosen.name == SDPA:
             return fallback(*args, **kwargs)
-        out, lse = chosen.run(call)
+        try:
+            out, lse = chosen.run(call)
+        except Exception as exc:  # noqa: BLE001 - a kernel that refuses a call must not fail the op
+            _say_once(f"{layout.name}: {chosen.name} raised {type(exc).__name__}: {str(exc)[:200]}; SDPA runs it")
+            return fallback(*args, **kwargs)
         return layout.pack(bound, args, kwargs, out, lse)
 
     return kernel

@@ -220,3 +220,11 @@ def test_default_candidates_on_cpu_leave_every_call_to_sdpa(attention_cache):
         assert decision.choice == SDPA and "cpu tensors" in decision.reason
     (path,) = attention_cache.glob("cpu__*.json")
     assert len(json.loads(path.read_text())["decisions"]) == 2
+
+
+def test_a_call_the_chosen_kernel_cannot_serve_runs_sdpa():
+    square_only = standin("ours", unsupported=lambda c: "Sq != Sk" if c.q.shape[2] != c.k.shape[2] else None)
+    sel = Selector([square_only], timer=fixed_times({SDPA: 1.0, "ours": 0.5}))
+    assert sel.choose(make_call(sq=40, sk=40, causal=True), sdpa_candidate()).name == "ours"
+    with pytest.warns(RuntimeWarning, match="cannot serve a call of this key"):
+        assert sel.choose(make_call(sq=40, sk=48, causal=True), sdpa_candidate()).name == SDPA  # same key
