@@ -11,8 +11,9 @@ dot with fp32 accumulation; the scales, V's mean and 1/l applied once at the end
     unsupported_reason(q, k, v, causal=..., attn_mask=..., dropout_p=...) -> str | None
 
 No host syncs and no allocation outside torch's caching allocator (output and scratch), so it can
-be captured in a CUDA graph. Launch configurations are fixed per (head dim, causal), measured on
-one H200 (bench/attention.py --sweep); DTORCH_SAGE_CONFIG="BM,BN,warps,stages[,fused_acc]" overrides them.
+be captured in a CUDA graph. Launch configurations are fixed per (head dim, causal) (see
+_CONFIGS; bench/attention.py --sweep times the candidates);
+DTORCH_SAGE_CONFIG="BM,BN,warps,stages[,fused_acc]" overrides them.
 """
 
 from __future__ import annotations
