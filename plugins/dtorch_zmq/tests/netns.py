@@ -8,7 +8,8 @@ nothing inside can reach anything else. Names carry this process's id (``dtorch-
 bridge ``dtb<pid>``, veths ``dtv<pid>h<i>``), so concurrent runs do not collide; :func:`remove_stale`
 removes what a run killed before its clean-up left behind.
 
-:class:`NetnsAgent` runs `dtorch agent` inside a host's namespace (``ip netns exec``).
+:class:`NetnsAgent` runs `dtorch agent` inside a host's namespace (``ip netns exec``), under a host
+name of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -33,7 +35,10 @@ class NetnsUnavailable(Exception):
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["ip", *args], check=False, capture_output=True, text=True, timeout=30)
+    try:
+        proc = subprocess.run(["ip", *args], check=False, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        raise NetnsUnavailable("no `ip` command (iproute2) on this machine") from None
     if check and proc.returncode != 0:
         raise NetnsUnavailable(f"`ip {' '.join(args)}` failed: {proc.stderr.strip() or proc.returncode}")
     return proc
@@ -48,8 +53,11 @@ class Host:
     inner_link: str  # the veth end inside the namespace
 
     def command(self, argv: list[str]) -> list[str]:
-        """``argv`` run inside this host's namespace."""
-        return ["ip", "netns", "exec", self.namespace, *argv]
+        """``argv`` run inside this host's network namespace, with a host name of its own (the
+        namespace's: a UTS namespace too, so that workers on different "hosts" are on different
+        nodes, as they would be). Every step execs the next: the process's pid is ``argv``'s."""
+        return ["ip", "netns", "exec", self.namespace, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
+                self.namespace, *argv]
 
     def net_inode(self) -> int:
         """The inode of the namespace, to compare with ``/proc/PID/ns/net``."""
@@ -63,6 +71,8 @@ class Network:
     def __init__(self, hosts: int):
         if os.geteuid() != 0:
             raise NetnsUnavailable("network namespaces need root")
+        if shutil.which("unshare") is None or shutil.which("hostname") is None:
+            raise NetnsUnavailable("no `unshare` or `hostname` command (util-linux) on this machine")
         tag = str(os.getpid())
         self.bridge = f"dtb{tag}"
         self.hosts: list[Host] = []

@@ -143,6 +143,7 @@ def _raises_lost_within(rank: int, since: float, fn) -> str:
     with pytest.raises(WorkerLostError, match=f"rank {rank}") as caught:
         fn()
     took = time.monotonic() - since
+    print(f"WorkerLostError {took:.1f} s after the fault")  # the README's figures (pytest -rP)
     assert took < FAULT_SECONDS, f"the typed error came {took:.1f} s after the fault"
     return str(caught.value)
 
@@ -171,8 +172,7 @@ def test_a_killed_worker_raises_at_the_next_read_within_10s(hosts):
     pid, host = hosts.workers()[1]
     assert host == 1
     os.kill(pid, signal.SIGKILL)
-    message = _raises_lost_within(1, time.monotonic(), lambda: (x + 1).full_tensor())
-    assert "no heartbeat" in message
+    _raises_lost_within(1, time.monotonic(), lambda: (x + 1).full_tensor())
 
 
 def test_a_killed_agent_loses_its_ranks_and_a_restarted_agent_serves_a_new_session(hosts):
@@ -183,6 +183,7 @@ def test_a_killed_agent_loses_its_ranks_and_a_restarted_agent_serves_a_new_sessi
     _raises_lost_within(1, time.monotonic(), lambda: (x * 2).full_tensor())
     start = time.monotonic()
     dt.shutdown()  # the dead agent cannot be asked to stop anything: shutdown still ends
+    print(f"dt.shutdown() {time.monotonic() - start:.1f} s with a dead agent")
     assert time.monotonic() - start < 15
     assert not alive(workers[1][0]) and not alive(workers[0][0])
     hosts.ready()  # the agent of host 1 again, on the same address
@@ -203,12 +204,14 @@ def test_a_partition_raises_within_10s_and_nothing_hangs(hosts):
     cut_at = time.monotonic()
     message = _raises_lost_within(1, cut_at, lambda: (x - 1).full_tensor())
     assert "no heartbeat" in message
+    # the cut-off worker hears nothing from its controller and leaves by itself
+    wait_until(lambda: not alive(workers[1][0]), 15 - (time.monotonic() - cut_at), "the cut-off worker exits")
+    print(f"the cut-off worker exited {time.monotonic() - cut_at:.1f} s after the cut")
     start = time.monotonic()
     dt.shutdown()  # host 1's agent is unreachable: its StopWorkers times out, shutdown goes on
-    assert time.monotonic() - start < 20
+    print(f"dt.shutdown() {time.monotonic() - start:.1f} s with a cut-off host")
+    assert time.monotonic() - start < 15
     assert not alive(workers[0][0])
-    # the cut-off worker hears nothing from its controller and leaves by itself
-    wait_until(lambda: not alive(workers[1][0]), 16 - (time.monotonic() - cut_at), "the cut-off worker exits")
     hosts.network.heal(cut)
     # its agent saw every worker of the session exit: it is free again without waiting out the lease
     wait_until(lambda: hosts.free(hosts.agents[1]), 5, "host 1's agent free")
@@ -222,6 +225,7 @@ def test_a_wrong_key_is_refused_naming_the_agent_within_seconds(hosts, tmp_path)
     with pytest.raises(AuthenticationError, match=hosts.agents[0].address) as caught:
         dt.init(world_size=2, runner="remote", agents=[a.address for a in hosts.agents],
                 listen=hosts.controller_listen, key_file=other, startup_timeout=60)
+    print(f"AuthenticationError (agent) after {time.monotonic() - start:.1f} s")
     assert time.monotonic() - start < 5
     assert caught.value.peer == hosts.agents[0].address
     wait_until(lambda: "agent refused a call" in hosts.agents[0].log(), 5, "the agent logs the refusal")
@@ -272,7 +276,8 @@ def test_a_killed_controller_s_workers_exit_within_15s_and_the_agents_clean_up(h
         os.kill(controller.pid, signal.SIGKILL)
         controller.wait(5)
         killed = time.monotonic()
-        wait_until(lambda: not any(alive(pid) for pid, _ in workers.values()), 15, "the workers exit")
+        took = wait_until(lambda: not any(alive(pid) for pid, _ in workers.values()), 15, "the workers exit")
+        print(f"workers exited {took:.1f} s after the controller's SIGKILL")
         for agent in hosts.agents:
             wait_until(lambda agent=agent: hosts.free(agent), 15 - (time.monotonic() - killed),
                        f"agent {agent.address} free")
