@@ -86,9 +86,15 @@ class DecisionCache:
     @contextlib.contextmanager
     def locked(self):
         """Hold the file's lock (other processes' writers and deciders wait), or go on without it
-        after :data:`LOCK_TIMEOUT_S`."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_suffix(".lock"), "a+") as handle:
+        after :data:`LOCK_TIMEOUT_S`, or without one where the directory cannot be written."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            handle = open(self.path.with_suffix(".lock"), "a+")  # noqa: SIM115 - closed below
+        except OSError as exc:
+            log.warning("attention cache not writable; deciding without its lock", path=str(self.path), error=str(exc))
+            yield
+            return
+        with handle:
             deadline = time.monotonic() + LOCK_TIMEOUT_S
             held = False
             while True:

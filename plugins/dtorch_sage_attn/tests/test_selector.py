@@ -228,3 +228,13 @@ def test_a_call_the_chosen_kernel_cannot_serve_runs_sdpa():
     assert sel.choose(make_call(sq=40, sk=40, causal=True), sdpa_candidate()).name == "ours"
     with pytest.warns(RuntimeWarning, match="cannot serve a call of this key"):
         assert sel.choose(make_call(sq=40, sk=48, causal=True), sdpa_candidate()).name == SDPA  # same key
+
+
+def test_an_unwritable_cache_directory_keeps_decisions_in_memory(monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("DTORCH_ATTENTION_CACHE", str(blocker / "attention"))  # under a file: not creatable
+    sel = Selector([standin("ours")], timer=fixed_times({SDPA: 1.0, "ours": 0.5}))
+    with pytest.warns(RuntimeWarning, match="not written"):
+        assert sel.choose(make_call(), sdpa_candidate()).name == "ours"
+    assert sel.choose(make_call(), sdpa_candidate()).name == "ours"  # from memory
