@@ -46,6 +46,23 @@ class TensorSpec:
         return tuple(length for _, length in self.region(coord))
 
 
+# One TensorSpec object per distinct spec: the dispatcher's cache keys hold specs, and a lookup
+# whose spec is the very object in the stored key compares by identity instead of attrs' __eq__
+# (a Python call per op). DTensors and plans take their specs from here.
+_CANONICAL_SPECS: dict = {}
+_CANONICAL_LIMIT = 1 << 16
+
+
+def canonical_spec(spec: TensorSpec) -> TensorSpec:
+    """The one object equal to ``spec`` (``spec`` itself the first time)."""
+    canonical = _CANONICAL_SPECS.get(spec)
+    if canonical is None:
+        if len(_CANONICAL_SPECS) >= _CANONICAL_LIMIT:
+            _CANONICAL_SPECS.clear()  # a bound, not an eviction policy: equal specs stay correct
+        canonical = _CANONICAL_SPECS[spec] = spec
+    return canonical
+
+
 def shard_region(shape, placements, mesh_shape, coord):
     region = [(0, n) for n in shape]
     for mesh_dim, p in enumerate(placements):

@@ -10,7 +10,7 @@ import torch
 from .errors import DTorchError
 from .mesh import DeviceMesh
 from .placement import Partial, Replicate, Shard, normalize_placements
-from .spec import TensorSpec
+from .spec import _CANONICAL_SPECS, TensorSpec, canonical_spec
 
 
 _NO_KWARGS: dict = {}
@@ -92,6 +92,7 @@ class DTensor(torch.Tensor):
 
     @staticmethod
     def _make(spec: TensorSpec, view: DeviceMesh, tid: int, session, requires_grad: bool = False) -> "DTensor":
+        spec = _CANONICAL_SPECS.get(spec) or canonical_spec(spec)
         r = _make_wrapper(
             DTensor,
             spec.shape,

@@ -30,7 +30,7 @@ def dispatch(func, args, kwargs):
     if kwargs:
         key = (func, _key_of(args, inputs), _key_of(tuple(kwargs.values()), inputs), tuple(kwargs))
     else:
-        key = (func, _key_of(args, inputs))
+        key = (func, _key_of_args(args, inputs))
     # the first input's session; the plan checks that every other input has the same one
     # (DirectPlan.run), so the hot path reads each handle once
     first = inputs[0] if inputs else None
@@ -57,6 +57,22 @@ def dispatch_direct(func, args, kwargs):
             plan = fallback_plan(session, func)
         session.plans[key] = plan
     return plan.run(session, args, kwargs, inputs)
+
+
+def _key_of_args(args: tuple, inputs: list) -> tuple:
+    """``_key_of(args, inputs)`` with the common elements (DTensors, numbers) inline: one Python
+    call per op instead of one per argument."""
+    key = []
+    for x in args:
+        t = type(x)
+        if t is DTensor:
+            inputs.append(x)
+            key.append(x._spec)
+        elif t is float or t is int or t is bool:
+            key.append((t, x))
+        else:
+            key.append(_key_of(x, inputs))
+    return tuple(key)
 
 
 def _key_of(x, inputs):

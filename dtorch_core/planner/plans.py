@@ -16,7 +16,7 @@ from ..errors import OpError, SessionError
 from ..ir.instructions import Call, DefinePlan
 from ..mesh import DeviceMesh
 from ..placement import Replicate
-from ..spec import TensorSpec, contiguous_stride
+from ..spec import TensorSpec, canonical_spec, contiguous_stride
 from ..tensor import DTensor, Handle
 from .emit import emit_steps
 from .source import user_source
@@ -42,6 +42,9 @@ class DirectPlan:
     writes: tuple = ()  # input indices the op writes
     view_kind: int = 0  # 0: not a view op; 1: outputs alias input 0; 2: they alias a moved copy
     op_name: str = ""
+
+    def __attrs_post_init__(self):
+        self.out_specs = tuple(None if s is None else canonical_spec(s) for s in self.out_specs)
 
     def run(self, session, args, kwargs, inputs):
         if self.simple:
