@@ -11,6 +11,7 @@ ours >= 1.3x SDPA's throughput at the Flux and SD3 shapes.
     python plugins/dtorch_sage_attn/bench/attention.py                 # the table
     python plugins/dtorch_sage_attn/bench/attention.py --json out.json
     python plugins/dtorch_sage_attn/bench/attention.py --sweep         # our launch configs
+    python plugins/dtorch_sage_attn/bench/attention.py --graph         # CUDA-graph replays
 
 ``auto`` is dtorch_sage_attn.selector's choice (imported lazily; the column is left out, with
 the reason printed, when it is absent). sageattention is timed when importable; it subtracts K's
@@ -133,11 +134,16 @@ def flops(shape):
     return 4.0 * batch * hq * seq * seq * dim * (0.5 if causal else 1.0)
 
 
+GRAPH = {"on": False}  # --graph: time CUDA-graph replays (no launch overhead), as dt.compile runs
+
+
 def time_ms(fn):
     import triton.testing
 
     fn()  # compile / warm caches outside the timed region
     torch.cuda.synchronize()
+    if GRAPH["on"]:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
@@ -219,6 +225,15 @@ def sweep(names):
             print(f"  {cfg}: {ms:.3f} ms  {base / ms:.2f}x sdpa  cos {err['cosine']:.6f} "
                   f"relL1 {err['rel_l1']:.4f}", flush=True)
             results.append({"shape": name, "config": cfg, "ms": ms, "sdpa_ms": base, **err})
+    print("fastest config at the gate, for triton_sage._CONFIGS:")
+    for name in names:
+        passing = [r for r in results if r["shape"] == name and r["finite"]
+                   and r["cosine"] >= GATE_COSINE and r["rel_l1"] <= GATE_REL_L1]
+        if passing:
+            best = min(passing, key=lambda r: r["ms"])
+            dim, causal = SHAPES[name][4], SHAPES[name][5]
+            print(f"    ({dim}, {causal}): LaunchConfig{tuple(best['config'])},  # {name}: "
+                  f"{best['ms']:.3f} ms, {best['sdpa_ms'] / best['ms']:.2f}x SDPA")
     return results
 
 
@@ -227,14 +242,17 @@ def main():
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--sweep", action="store_true", help="time our launch configs instead")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset")
+    parser.add_argument("--graph", action="store_true",
+                        help="time CUDA-graph replays instead of eager calls")
     args = parser.parse_args()
+    GRAPH["on"] = args.graph
     if not torch.cuda.is_available():
         sys.exit("bench/attention.py needs a CUDA GPU")
     names = args.shapes.split(",")
     device = torch.cuda.get_device_name()
     print(f"{device}, torch {torch.__version__}", flush=True)
     if args.sweep:
-        result = {"device": device, "sweep": sweep(names)}
+        result = {"device": device, "graph": args.graph, "sweep": sweep(names)}
     else:
         found = kernels()
         rows = []
@@ -242,7 +260,7 @@ def main():
             rows.append(measure_shape(name, SHAPES[name], found))
             print(f"measured {name}", flush=True)
         verdicts = print_table(rows, found)
-        result = {"device": device, "torch": torch.__version__, "rows": rows,
+        result = {"device": device, "torch": torch.__version__, "graph": args.graph, "rows": rows,
                   "target": {"ratio": TARGET, "met": verdicts},
                   "missing": {k: why for k, (fn, why) in found.items() if fn is None}}
     if args.json:
