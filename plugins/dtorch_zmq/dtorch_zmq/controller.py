@@ -4,7 +4,9 @@ A connection starts with the worker's authenticated ``HELLO`` (its rank, pid and
 then on every frame must carry the next sequence number of that connection and a valid HMAC.
 Anything else is refused: logged with the peer's address, answered with ``REFUSED`` (so the
 worker can say why it stops), and reported to ``on_refused``. Both ends ping each other every
-second; a worker silent for ``heartbeat_s`` is reported to ``on_lost``.
+second; a worker silent for ``heartbeat_s`` is reported to ``on_lost``. A follower of a node
+(``node.py``) is *relayed*: its leader's connection carries its traffic and reports it ``LOST``
+(a follower silent or gone on its node); a lost leader makes its followers lost too.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class Connection:
     last_seen: float = 0.0
     credit: Credit = attrs.field(factory=Credit)
     lost: bool = False
+    node: str = ""  # what the worker reported (DTORCH_NODE_ID, else its host name)
+    shm: bool = False  # whether it can use the native shared-memory channels
+    leader: int | None = None  # a follower: the rank whose connection relays it
+    followers: tuple = ()  # a leader: the ranks it relays
 
 
 class ControllerEndpoint:
@@ -53,6 +59,8 @@ class ControllerEndpoint:
         self.by_rank: dict[int, Connection] = {}
         self._seen_nonces: set[bytes] = set()
         self._last_ping = 0.0
+        self.batch_bytes = 0  # every frame of every batch sent (tests and the scale bench read it)
+        self.batches_sent = 0
         self._send_lock = threading.Lock()  # a sequence number and its place in the queue go together
         self.context = new_context()
         sock = quiet_socket(self.context, zmq.ROUTER)
@@ -71,11 +79,16 @@ class ControllerEndpoint:
         self.loop.start()
 
     # -- sending (any thread) -------------------------------------------------------------
-    def send(self, conn: Connection, kind: int, parts, zero_copy: bool = False) -> Outgoing:
+    def send(self, conn: Connection, kind: int, parts, zero_copy: bool = False, digest: bytes | None = None) -> Outgoing:
+        """Queue one message; ``digest``: ``fr.payload_digest(parts)``, when the same parts go to
+        several connections (hashed once)."""
         with self._send_lock:
             seq = conn.send_seq
             conn.send_seq += 1
-            sealed = fr.seal(self._key, fr.TO_WORKER, kind, seq, conn.nonce, parts)
+            sealed = fr.seal(self._key, fr.TO_WORKER, kind, seq, conn.nonce, parts, digest)
+            if kind in (fr.BATCH, fr.NODE_BATCH):
+                self.batch_bytes += sum(memoryview(p).nbytes for p in sealed)
+                self.batches_sent += 1
             return self.loop.send(Outgoing(conn.identity, sealed, zero_copy))
 
     # -- receiving (I/O thread) -----------------------------------------------------------
@@ -96,6 +109,20 @@ class ControllerEndpoint:
             self._on_reply(conn, fr.joined(parts))
         elif kind == fr.CREDIT:
             conn.credit.taken_upto(int.from_bytes(parts[0].bytes, "little"))
+        elif kind == fr.LOST:
+            self._follower_lost(conn, parts)
+
+    def _follower_lost(self, leader: Connection, parts) -> None:
+        try:
+            info = json.loads(bytes(parts[0].bytes))
+            rank, reason = int(info["rank"]), str(info["reason"])
+        except (ValueError, KeyError, TypeError, IndexError):
+            rank, reason = -1, ""
+        follower = self.by_rank.get(rank)
+        if follower is None or rank not in leader.followers:
+            log.warning("a leader reported a rank it does not relay", leader=leader.rank, rank=rank)
+        elif not follower.lost:
+            self._lose(follower, f"{reason} (reported by its node leader, rank {leader.rank})")
 
     def _hello(self, identity: bytes, body) -> None:
         kind, _, nonce = fr.peek(body)
@@ -107,10 +134,12 @@ class ControllerEndpoint:
         try:
             info = json.loads(bytes(parts[0].bytes))
             rank, pid, host = int(info["rank"]), int(info["pid"]), str(info["host"])
+            node, shm = str(info.get("node") or host), bool(info.get("shm", False))
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise fr.FrameError(f"malformed hello ({exc})") from None
         self._seen_nonces.add(nonce)
-        conn = Connection(identity, nonce, rank, _peer(body), pid, host, last_seen=time.monotonic())
+        conn = Connection(identity, nonce, rank, _peer(body), pid, host, last_seen=time.monotonic(), node=node,
+                          shm=shm)
         if not 0 <= rank < self._world_size or rank in self.by_rank:
             why = (f"rank {rank} is out of range for world size {self._world_size}"
                    if not 0 <= rank < self._world_size else f"rank {rank} is already connected")
@@ -137,11 +166,11 @@ class ControllerEndpoint:
         if now - self._last_ping >= PING_EVERY_S:
             self._last_ping = now
             for conn in list(self.by_rank.values()):
-                if not conn.lost:
+                if not conn.lost and conn.leader is None:
                     self.send(conn, fr.PING, [b""])
         for conn in list(self.by_rank.values()):
             silent = now - conn.last_seen
-            if not conn.lost and silent > self.heartbeat_s:
+            if not conn.lost and conn.leader is None and silent > self.heartbeat_s:
                 self._lose(conn, f"no heartbeat for {silent:.1f}s from {conn.peer} (pid {conn.pid} on {conn.host}): "
                                  "it died, hangs with the GIL held, or the network is cut")
 
@@ -149,6 +178,10 @@ class ControllerEndpoint:
         conn.lost = True
         conn.credit.wake()
         self._on_lost(conn, reason)
+        for rank in conn.followers:
+            follower = self.by_rank.get(rank)
+            if follower is not None and not follower.lost:
+                self._lose(follower, f"its node leader (rank {conn.rank}) is lost: {reason}")
 
     def _loop_died(self, exc: BaseException) -> None:
         log.error("the controller's ZMQ thread failed", error=repr(exc))

@@ -7,8 +7,10 @@ A message is the frames ``[header, *parts, mac]``:
 - ``parts``: the payload; for batches and replies the concatenation of the parts is one message
   of the core's wire format (``dtorch_core.ir.wire``: no pickle). Tensor bytes above
   :data:`ZERO_COPY_BYTES` are parts of their own, sent without a copy.
-- ``mac``: HMAC-SHA256 with the shared key over the direction, the header and every part
-  (each prefixed by its length, so parts cannot be re-split).
+- ``mac``: HMAC-SHA256 with the shared key over the direction, the header and the SHA-256
+  digest of the parts (each prefixed by its length, so parts cannot be re-split). The digest
+  is computed once per payload: a batch sent to many nodes is hashed once, and each node's
+  frame costs one HMAC over 81 bytes (:func:`payload_digest`, ``seal(digest=...)``).
 
 Each direction of a connection numbers its messages 0, 1, 2, ...; a receiver accepts only the
 next number, so a replayed, dropped or reordered frame is refused. The direction byte keeps a
@@ -38,8 +40,10 @@ REPLY = 4  # worker -> controller: one wire-format reply
 CREDIT = 5  # worker -> controller: u64 count of batches it has taken so far
 PING = 6  # either way: still alive
 REFUSED = 7  # controller -> worker, unauthenticated: why its frames were refused
+NODE_BATCH = 8  # controller -> node leader: a batch with per-rank parts (fanout.node_frames)
+LOST = 9  # node leader -> controller: JSON {rank, reason}: one of its followers is lost
 KIND_NAMES = {HELLO: "hello", WELCOME: "welcome", BATCH: "batch", REPLY: "reply", CREDIT: "credit",
-              PING: "ping", REFUSED: "refused"}
+              PING: "ping", REFUSED: "refused", NODE_BATCH: "node batch", LOST: "lost"}
 
 _LEN = struct.Struct("<Q")
 
@@ -48,20 +52,29 @@ class FrameError(Exception):
     """A message that is malformed or fails authentication (the text says which)."""
 
 
-def mac_of(key: bytes, direction: bytes, header, parts) -> bytes:
-    m = hmac.new(key, direction, hashlib.sha256)
-    m.update(header)
+def payload_digest(parts) -> bytes:
+    """SHA-256 of the parts, each prefixed by its length (what the MAC covers of a payload)."""
+    h = hashlib.sha256()
     for p in parts:
         view = memoryview(p)
-        m.update(_LEN.pack(view.nbytes))
-        m.update(view)
+        h.update(_LEN.pack(view.nbytes))
+        h.update(view)
+    return h.digest()
+
+
+def mac_of(key: bytes, direction: bytes, header, parts, digest: bytes | None = None) -> bytes:
+    m = hmac.new(key, direction, hashlib.sha256)
+    m.update(header)
+    m.update(payload_digest(parts) if digest is None else digest)
     return m.digest()
 
 
-def seal(key: bytes, direction: bytes, kind: int, seq: int, nonce: bytes, parts) -> list:
-    """The frames of one message (header, parts, mac)."""
+def seal(key: bytes, direction: bytes, kind: int, seq: int, nonce: bytes, parts,
+         digest: bytes | None = None) -> list:
+    """The frames of one message (header, parts, mac); ``digest``: ``payload_digest(parts)``
+    when the caller already has it (the same payload sealed for several connections)."""
     header = HEADER.pack(MAGIC, kind, seq, nonce)
-    return [header, *parts, mac_of(key, direction, header, parts)]
+    return [header, *parts, mac_of(key, direction, header, parts, digest)]
 
 
 def peek(frames) -> tuple[int, int, bytes]:

@@ -1,4 +1,4 @@
-"""The ``remote`` runner: workers on any host, reached over ZMQ (launcher or agent mode).
+r"""The ``remote`` runner: workers on any host, reached over ZMQ (launcher or agent mode).
 
 Launcher mode: ``dt.init(world_size=N, runner="remote", listen="tcp://HOST:PORT",
 key_file=FILE)`` binds and waits for N workers that something else started (torchrun, Slurm,
@@ -11,6 +11,10 @@ session, bound to the listen address's interface on a free port. Its port and a 
 prefix reach the workers only inside the authenticated ``WELCOME``; workers join through a
 PrefixStore with that prefix, and the store closes at ``dt.shutdown()``. (A TCPStore has no
 authentication of its own: what it holds is rendezvous data only, under an unguessable prefix.)
+
+One copy per node (``fanout=True``, the default; ``DTORCH_FANOUT=0`` turns it off): the
+``WELCOME`` messages go out once every worker said hello, each naming the worker's node, and every
+batch is encoded once and sent once per node, to its leader (``fanout.py``, ``node.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from dtorch_core.runners.process import PROTOCOL, READY, for_rank
 from . import frames as fr
 from .controller import ControllerEndpoint
 from .errors import AgentsUnavailableError, AuthenticationError, WorkersMissingError
+from .fanout import encoded_frames, has_rank_parts, node_parts, split_batch
 from .keys import frame_key, read_key
 
 log = structlog.get_logger(__name__)
@@ -69,7 +74,7 @@ class RemoteRunner(Runner):
                  listen: str | None = None, key_file: str | None = None, agents=None,
                  startup_timeout: float | None = None, heartbeat_timeout: float | None = None,
                  communicator: str | None = None, dist_backend: str | None = None, lease_s: float | None = None,
-                 **_options):
+                 fanout: bool | None = None, **_options):
         communicator, chosen = choose_communicator(plugins.registry("communicators"), "process", device_type,
                                                    communicator)
         super().__init__(world_size, device_type, plugins)
@@ -91,8 +96,10 @@ class RemoteRunner(Runner):
         prefix = secrets.token_hex(16)
         self._welcome = {"world_size": world_size, "store_port": store_port, "store_prefix": prefix,
                          "device_type": device_type, "communicator": communicator,
-                         "backend": dist_backend or chosen.dist_backend, "timeout": timeout}
+                         "backend": dist_backend or chosen.dist_backend, "timeout": timeout, "heartbeat_s": beat}
         self._conns: dict = {}
+        self.fanout = setting("fanout", fanout, "DTORCH_FANOUT", True, "flag")
+        self.leaders: list | None = None  # with fanout: the connection of each node's leader, once welcomed
         self.endpoint = ControllerEndpoint(listen, frame_key(key), world_size, on_hello=self._hello,
                                            on_reply=self._reply_frame, on_lost=self._lost,
                                            on_refused=self._refusal, heartbeat_s=beat)
@@ -161,8 +168,15 @@ class RemoteRunner(Runner):
     def _hello(self, conn) -> None:
         with self._cond:
             self._conns[conn.rank] = conn
-        log.info("worker connected", rank=conn.rank, peer=conn.peer, host=conn.host, pid=conn.pid)
-        self.endpoint.send(conn, fr.WELCOME, [json.dumps(dict(self._welcome, rank=conn.rank)).encode()])
+            everyone = len(self._conns) == self.world_size
+        log.info("worker connected", rank=conn.rank, peer=conn.peer, host=conn.host, node=conn.node, pid=conn.pid)
+        if not self.fanout:
+            self.endpoint.send(conn, fr.WELCOME, [json.dumps(dict(self._welcome, rank=conn.rank)).encode()])
+        elif everyone:  # the nodes are known once every worker said where it runs
+            self.leaders = [self._conns[node[0]] for node in node_groups(self._conns)]
+            for rank, place in node_places(self._conns).items():
+                welcome = dict(self._welcome, rank=rank, node=place)
+                self.endpoint.send(self._conns[rank], fr.WELCOME, [json.dumps(welcome).encode()])
 
     def _reply_frame(self, conn, data) -> None:
         try:
@@ -196,6 +210,8 @@ class RemoteRunner(Runner):
     # -- the session's calls --------------------------------------------------------------
     def submit(self, batch) -> None:
         self._raise_if_dead()
+        if self.leaders is not None:
+            return self._submit_per_node(batch)
         shared = None
         if not any(type(ins) is Put or (type(ins) is DefinePlan and ins.rank_args)
                    or (type(ins) is DefineProgram and ins.constants) for ins in batch):
@@ -210,6 +226,32 @@ class RemoteRunner(Runner):
                 break
             big = len(parts) > 1 or nbytes >= fr.ZERO_COPY_BYTES
             pending.append(self.endpoint.send(conn, fr.BATCH, parts, zero_copy=big))
+        self._wait_sent(pending)
+
+    def _submit_per_node(self, batch) -> None:
+        """One copy per node: the batch encoded once, its rank parts (if any) to their nodes only."""
+        if not has_rank_parts(batch):
+            parts = encoded_frames(batch)
+            digest = fr.payload_digest(parts)
+            messages = ((leader, fr.BATCH, parts, digest) for leader in self.leaders)
+        else:
+            common, by_rank = split_batch(batch)
+            common = encoded_frames(common)
+            ranked = {rank: encoded_frames(part) for rank, part in by_rank.items()}
+            messages = ((leader, fr.NODE_BATCH, node_parts(common, [(r, ranked[r]) for r in (leader.rank,)
+                                                                     + leader.followers if r in ranked]), None)
+                        for leader in self.leaders)
+        pending = []
+        for leader, kind, parts, digest in messages:
+            nbytes = sum(memoryview(p).nbytes for p in parts)
+            if not leader.credit.acquire(nbytes, self.timeout, functools.partial(self._gone, leader)):
+                self._lost(leader, f"its node took no batch for {self.timeout:g}s (flow-control window full)")
+                break
+            big = len(parts) > 1 or nbytes >= fr.ZERO_COPY_BYTES
+            pending.append(self.endpoint.send(leader, kind, parts, zero_copy=big, digest=digest))
+        self._wait_sent(pending)
+
+    def _wait_sent(self, pending) -> None:
         for out in pending:  # tensor parts alias the caller's tensors: return once ZMQ let go of them
             if not out.copy and not out.sent.wait(self.timeout):
                 raise WorkerLostError(f"a batch was not sent within {self.timeout:g}s (the network is stuck)")
@@ -243,7 +285,8 @@ class RemoteRunner(Runner):
         if endpoint is not None:
             live = [c for c in self._conns.values() if not c.lost]
             for conn in live:
-                endpoint.send(conn, fr.BATCH, [b""])
+                if conn.leader is None:  # a leader hands it to its followers
+                    endpoint.send(conn, fr.BATCH, [b""])
             with self._cond:
                 if not self._cond.wait_for(lambda: len(self._replies.get(GOODBYE, ())) >= len(live), 5.0):
                     log.warning("not every worker said goodbye within 5s", expected=len(live),
@@ -257,6 +300,31 @@ class RemoteRunner(Runner):
                 except Exception as exc:  # noqa: BLE001 - the lease ends them anyway
                     log.warning("could not stop an agent's workers", error=repr(exc))
         self._store = None  # the last reference: the store's server closes
+
+
+def node_groups(conns: dict) -> list[tuple]:
+    """The ranks of each node, lowest first (the leader); a worker without shared memory is a
+    node of its own."""
+    groups: dict = {}
+    for rank in sorted(conns):
+        conn = conns[rank]
+        groups.setdefault(conn.node if conn.shm else ("alone", rank), []).append(rank)
+    return sorted(tuple(g) for g in groups.values())
+
+
+def node_places(conns: dict) -> dict[int, dict]:
+    """Each rank's ``node`` section of its ``WELCOME``; marks the connections as leader and followers."""
+    places = {}
+    for ranks in node_groups(conns):
+        leader, followers = ranks[0], ranks[1:]
+        channels = {r: {"down": f"/dtz-{secrets.token_hex(12)}", "up": f"/dtz-{secrets.token_hex(12)}",
+                        "pid": conns[r].pid} for r in followers}
+        conns[leader].followers = tuple(followers)
+        places[leader] = {"leader": leader, "size": len(ranks), "followers": {str(r): c for r, c in channels.items()}}
+        for r in followers:
+            conns[r].leader = leader
+            places[r] = {"leader": leader, "size": len(ranks), "down": channels[r]["down"], "up": channels[r]["up"]}
+    return places
 
 
 def place_ranks(world_size: int, devices: list[int], agents: list[str]) -> list[list[int]]:

@@ -1,15 +1,18 @@
 """``dtorch worker``: one worker of a remote session, connected to its controller over ZMQ.
 
 It says hello (authenticated with the key file), gets its configuration in the controller's
-``WELCOME`` (world size, rendezvous), joins the torch.distributed group, and then runs the
-core's worker loop (:class:`dtorch_core.worker.loop.Worker`) on the batches that arrive, exactly
-as a ``process`` runner worker does. It exits when told to, when the controller refuses it, and
+``WELCOME`` (world size, rendezvous, its node), joins the torch.distributed group, and then runs
+the core's worker loop (:class:`dtorch_core.worker.loop.Worker`) on the batches that arrive,
+exactly as a ``process`` runner worker does. With one copy per node (``node.py``) a node's
+leader keeps the ZMQ connection and hands batches to the node's other workers (followers)
+through shared memory; a follower's batches and replies go through its leader. It exits when told to, when the controller refuses it, and
 when the controller has been silent for ``--controller-timeout`` seconds (10 by default), so no
 worker outlives its controller by more than that.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -22,14 +25,18 @@ from datetime import timedelta
 
 import zmq
 
+from dtorch_core.transport.base import DEFAULT_SPIN_US
+
 from . import frames as fr
 from .keys import frame_key, read_key
+from .node import FollowerEndpoint
 from .transport import PING_EVERY_S, IOLoop, Outgoing, new_context, quiet_socket
 
 CONTROLLER_GONE = 3  # exit status, as the process runner's workers use
 REFUSED_EXIT = 4
 BYE_GRACE_S = 3.0  # a worker told to exit that is still busy this long later exits at once
 CREDIT_EVERY = 64  # batches between credit reports (and whenever the queue runs dry)
+OPEN_S = 30.0  # a follower waits this long for its leader's channels
 
 
 def worker_rank(explicit: int | None) -> int:
@@ -46,11 +53,30 @@ def worker_rank(explicit: int | None) -> int:
     raise SystemExit("dtorch worker: no rank: pass --rank R or set RANK (torchrun) or SLURM_PROCID (Slurm)")
 
 
-class WorkerEndpoint:
-    """The worker's DEALER socket and its I/O thread; batches arrive on :attr:`inbox`."""
+def node_id(explicit: str | None = None) -> str:
+    """The node this worker reports: ``DTORCH_NODE_ID`` (tests simulate nodes with it), else the host name."""
+    return explicit or os.environ.get("DTORCH_NODE_ID", "").strip() or socket.gethostname()
 
-    def __init__(self, address: str, key: bytes, rank: int, silence_s: float, connect_s: float):
+
+def _shm_available() -> bool:
+    from dtorch_core.transport.channel import native_available
+
+    return native_available()
+
+
+class WorkerEndpoint:
+    """The worker's DEALER socket and its I/O thread; batches arrive on :attr:`inbox`.
+
+    A node leader's endpoint has :attr:`node` (a :class:`~.node.NodeLeader`): its I/O thread
+    hands each batch to the followers as it arrives, before the leader's own queue.
+    """
+
+    def __init__(self, address: str, key: bytes, rank: int, silence_s: float, connect_s: float,
+                 node: str | None = None, on_gone=None):
         self.key = key
+        self.rank = rank
+        self.node = None
+        self._on_gone = on_gone or _exit_gone
         self.nonce = secrets.token_bytes(16)
         self.inbox: queue.Queue = queue.Queue()
         self.silence_s = silence_s
@@ -68,15 +94,23 @@ class WorkerEndpoint:
         sock.connect(address)
         self.loop = IOLoop(self.context, sock, self._received, self._tick, "dtorch-zmq-worker",
                            on_error=self._loop_died)
-        hello = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname()}
+        hello = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "node": node_id(node),
+                 "shm": _shm_available()}
         self.send(fr.HELLO, [json.dumps(hello).encode()])  # first: it takes sequence number 0
         self.loop.start()
 
-    def send(self, kind: int, parts) -> None:
+    def send(self, kind: int, parts, zero_copy: bool = False) -> None:
         with self._send_lock:
             seq = self._send_seq
             self._send_seq += 1
-            self.loop.send(Outgoing(None, fr.seal(self.key, fr.TO_CONTROLLER, kind, seq, self.nonce, parts), False))
+            self.loop.send(Outgoing(None, fr.seal(self.key, fr.TO_CONTROLLER, kind, seq, self.nonce, parts), zero_copy))
+
+    def credit(self, taken: int) -> None:
+        """Tell the controller how many batches this worker has taken (its node's minimum, as leader)."""
+        if self.node is not None:
+            self.node.credit(self.rank, taken)
+        else:
+            self.send(fr.CREDIT, [taken.to_bytes(8, "little")])
 
     def _received(self, frames) -> None:
         try:
@@ -91,15 +125,20 @@ class WorkerEndpoint:
         self._recv_seq += 1
         self._last_heard = time.monotonic()
         self.welcomed = True
-        if kind in (fr.BATCH, fr.WELCOME):
-            data = fr.joined(parts)
-            if kind == fr.BATCH and len(data) == 0:  # told to exit: even if the main thread is stuck
-                timer = threading.Timer(BYE_GRACE_S, _exit_stuck, args=(self.address,))
-                timer.daemon = True  # a worker that exits normally does not wait for it
-                timer.start()
-            self.inbox.put((kind, data))
+        if kind in (fr.BATCH, fr.NODE_BATCH):
+            try:
+                data = fr.joined(parts) if self.node is None else self.node.forward(kind, parts)
+            except Exception as exc:  # noqa: BLE001 - authenticated but malformed: the main loop answers
+                data = memoryview(b"\x00" + str(exc).encode())
+            if is_shutdown(data):  # told to exit: even if the main thread is stuck
+                _bye_timer(self.address)
+            self.inbox.put((fr.BATCH, data))
+        elif kind == fr.WELCOME:
+            self.inbox.put((kind, fr.joined(parts)))
 
     def _tick(self, now: float) -> None:
+        if self.node is not None:
+            self.node.tick(now)
         if now - self._last_ping >= PING_EVERY_S:
             self._last_ping = now
             self.send(fr.PING, [b""])
@@ -107,17 +146,36 @@ class WorkerEndpoint:
         if silent > (self.silence_s if self.welcomed else self.connect_s):
             # from this thread: the main one may be inside a collective that never ends now
             what = "was silent" if self.welcomed else "did not answer"
-            _say(f"dtorch worker (pid {os.getpid()}): the controller at {self.address} {what} for {silent:.0f}s; exiting")
-            os._exit(CONTROLLER_GONE)
+            self._last_heard = float("inf")  # once
+            self._on_gone(f"the controller at {self.address} {what} for {silent:.0f}s")
 
     def _loop_died(self, exc: BaseException) -> None:
-        _say(f"dtorch worker (pid {os.getpid()}): its connection thread failed ({exc!r}); exiting")
-        os._exit(CONTROLLER_GONE)
+        self._on_gone(f"its connection thread failed ({exc!r})")
 
     def close(self) -> None:
+        if self.node is not None:  # the followers' goodbyes go out through this connection
+            self.node.wait_followers(BYE_GRACE_S)
+            self.node.close()
         self.loop.stop()
         self.loop.sock.close()  # lingers until queued frames are out (at most 2 s)
         self.context.term()
+
+
+def is_shutdown(data) -> bool:
+    """Whether a batch message is the request to exit (an empty frame)."""
+    return type(data) is not tuple and len(data) == 0
+
+
+def _bye_timer(address: str) -> None:
+    timer = threading.Timer(BYE_GRACE_S, _exit_stuck, args=(address,))
+    timer.daemon = True  # a worker that exits normally does not wait for it
+    timer.start()
+
+
+def _exit_gone(why: str) -> None:
+    # from an I/O thread: the main one may be inside a collective that never ends now
+    _say(f"dtorch worker (pid {os.getpid()}): {why}; exiting")
+    os._exit(CONTROLLER_GONE)
 
 
 def _exit_stuck(address: str) -> None:
@@ -132,17 +190,75 @@ def _say(text: str) -> None:
 
 def serve(address: str, key_file: str, rank: int, device_index: int | None = None,
           silence_s: float = 10.0, connect_s: float = 120.0) -> int:
-    key = frame_key(read_key(key_file))
-    endpoint = WorkerEndpoint(address, key, rank, silence_s, connect_s)
+    endpoint, config = connect(address, frame_key(read_key(key_file)), rank, silence_s, connect_s)
+    if endpoint is None:
+        return config
+    try:
+        code = _run(endpoint, config, address, device_index)
+    finally:
+        endpoint.close()
+    # The goodbye is out and nothing is left to do. Exit now: at interpreter exit the gloo
+    # process group's destructor waits for its peers (seconds each on a busy host), which made a
+    # session's shutdown take 5-13 s and tripped the told-to-exit timer.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def connect(address: str, key: bytes, rank: int, silence_s: float, connect_s: float, node: str | None = None,
+            on_gone=None):
+    """Say hello and take the ``WELCOME``: (the endpoint batches come from, the configuration),
+    or (None, exit code) when the controller refused or never answered. A follower's endpoint
+    is its leader's channels (its own ZMQ connection is closed here)."""
+    endpoint = WorkerEndpoint(address, key, rank, silence_s, connect_s, node, on_gone)
     kind, value = endpoint.inbox.get()
     if kind != fr.WELCOME:
         endpoint.close()
-        return _ended(kind, value, rank)
+        return None, _ended(kind, value, rank)
     config = json.loads(bytes(value))
+    place = config.get("node")
+    if place is None:
+        return endpoint, config
+    from .node import NodeLeader
+
+    # more workers than cores on the node: a waiting end that spins takes a core another needs
+    spin = 0.0 if int(place["size"]) >= (os.cpu_count() or 1) else DEFAULT_SPIN_US
     try:
-        return _run(endpoint, config, address, device_index)
-    finally:
+        if place["leader"] == rank:
+            leader = NodeLeader(rank, place["followers"], endpoint.send, float(config["heartbeat_s"]),
+                                float(config["timeout"]), spin)
+            leader.start()
+            endpoint.node = leader  # only now: the I/O thread ticks it
+            return endpoint, config
+        follower = FollowerEndpoint(rank, place["down"], place["up"], silence_s, OPEN_S, spin,
+                                    on_gone or _exit_gone, on_bye=lambda: _bye_timer(address))
+    except BaseException:
         endpoint.close()
+        raise
+    endpoint.close()  # from now on the leader's connection carries this worker's traffic
+    return follower, config
+
+
+def serve_batches(endpoint, rank: int, execute, reply) -> int:
+    """Run what arrives until told to exit: credit every :data:`CREDIT_EVERY` batches and
+    whenever the queue runs dry, a goodbye at the end. Returns the exit code."""
+    from dtorch_core.ir.instructions import Reply
+
+    from .runner import GOODBYE
+
+    taken = reported = 0
+    while True:
+        kind, data = endpoint.inbox.get()
+        if kind != fr.BATCH:
+            return _ended(kind, data, rank)
+        taken += 1
+        if taken - reported >= CREDIT_EVERY or endpoint.inbox.empty():
+            endpoint.credit(taken)
+            reported = taken
+        if is_shutdown(data):
+            reply(Reply(GOODBYE, rank, value=None))
+            return 0
+        execute(data)
 
 
 def _ended(kind, value, rank: int) -> int:
@@ -167,7 +283,8 @@ def _run(endpoint: WorkerEndpoint, config: dict, address: str, device_index: int
     from dtorch_core.worker.streams import make_streams
     from dtorch_core.worker_main import run_frame
 
-    from .runner import GOODBYE, parse_address
+    from .fanout import decode_local
+    from .runner import parse_address
 
     configure()
     rank = config["rank"]
@@ -193,21 +310,8 @@ def _run(endpoint: WorkerEndpoint, config: dict, address: str, device_index: int
     worker = Worker(rank, streams.device, plugins.registry("kernels"), exchange, reply, streams)
     reply(Reply(READY, rank, value=None))
     log.debug("worker ready", controller=address)
-    taken = reported = 0
-    code = 0
-    while True:
-        kind, data = endpoint.inbox.get()
-        if kind != fr.BATCH:
-            code = _ended(kind, data, rank)
-            break
-        taken += 1
-        if taken - reported >= CREDIT_EVERY or endpoint.inbox.empty():
-            endpoint.send(fr.CREDIT, [taken.to_bytes(8, "little")])
-            reported = taken
-        if len(data) == 0:
-            reply(Reply(GOODBYE, rank, value=None))
-            break
-        run_frame(worker, streams, data, rank, reply)
+    decode = functools.partial(decode_local, rank=rank)
+    code = serve_batches(endpoint, rank, lambda data: run_frame(worker, streams, data, rank, reply, decode), reply)
     try:
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - exiting anyway
