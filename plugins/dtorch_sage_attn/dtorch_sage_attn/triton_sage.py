@@ -45,16 +45,17 @@ class LaunchConfig(NamedTuple):
     fused_acc: int = 0  # 1: P.V accumulates in the MMA's accumulator (faster, less precise)
 
 
-# (head_dim, causal) -> launch config. The measured best on one H200 for the pointer-load version
-# of this kernel (bench/attention.py --sweep) was (64, 128, 4, 3); it spilled registers at 8
-# warps. Since K and V come through TMA, every config here compiles for sm_90 with no spills
-# (255 registers at D=128, 175 at D=64), and 128x128 with 8 warps, Hopper's usual
-# flash-attention tile, is the default: not yet timed on a GPU (run --sweep and update these).
+# (head_dim, causal) -> launch config: 64 query rows, 128 keys a step, one warpgroup (4 warps),
+# 3 TMA stages. Two such CTAs fit an SM (252 registers at D=128, 174 at D=64; about 106 / 53 KB
+# of shared memory) and run unsynchronised, so one's softmax overlaps the other's MMAs; a
+# 128-row CTA of 8 warps puts both warpgroups behind the same barriers every step (sm_90 SASS).
+# On one H200 this tile was the fastest of the sweep for the pointer-load version of the kernel
+# (Flux 0.72x, SD3 0.76x SDPA); the TMA version is not yet timed (bench/attention.py --sweep).
 _CONFIGS = {
-    (64, False): LaunchConfig(128, 128, 8, 3),
-    (64, True): LaunchConfig(128, 128, 8, 3),
-    (128, False): LaunchConfig(128, 128, 8, 3),
-    (128, True): LaunchConfig(128, 128, 8, 3),
+    (64, False): LaunchConfig(64, 128, 4, 3),
+    (64, True): LaunchConfig(64, 128, 4, 3),
+    (128, False): LaunchConfig(64, 128, 4, 3),
+    (128, True): LaunchConfig(64, 128, 4, 3),
 }
 
 
