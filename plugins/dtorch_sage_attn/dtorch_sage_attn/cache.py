@@ -137,7 +137,7 @@ def read_file(path: Path, *, warn: bool = True, on_warn=None) -> dict | None:
     """A cache file's contents, or None if it is missing or corrupt (with a warning)."""
     try:
         text = path.read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
         if warn:

@@ -233,6 +233,16 @@ class Selector:
                 gates[c.name] = f"FAIL: raised {type(exc).__name__}: {str(exc)[:200]}"
                 continue
             result = gate.check(call, out, lse, ref)
+            if result.passed and call.need_lse and not call.causal and call.k.shape[2] >= 2:
+                try:
+                    merged = gate.check_merged(call, c.run, ref)
+                except Exception as exc:  # noqa: BLE001
+                    gates[c.name] = f"FAIL: raised {type(exc).__name__} on half the keys: {str(exc)[:200]}"
+                    continue
+                if not merged.passed:
+                    result = attrs.evolve(merged, passed=False)
+                    gates[c.name] = "merged halves " + result.describe()
+                    continue
             gates[c.name] = result.describe()
             if result.passed:
                 passing.append(c)

@@ -57,8 +57,9 @@ def test_gate_metrics_on_exact_inaccurate_and_nan_outputs():
         assert not nan.passed and not nan.finite
     call = make_call(need_lse=True)
     out, lse = exact(call)
-    shifted = gate.check(call, out, lse + 0.1, gate.reference(call))
-    assert not shifted.passed and shifted.lse_max_err == pytest.approx(0.1, abs=1e-3)
+    shifted = gate.check(call, out, lse + 0.2, gate.reference(call))
+    assert not shifted.passed and shifted.lse_max_err == pytest.approx(0.2, abs=1e-3)
+    assert gate.check(call, out, lse + 0.05, gate.reference(call)).passed  # a few hundredths pass
 
 
 def test_gate_rejects_inaccurate_and_nan_candidates():
@@ -238,3 +239,15 @@ def test_an_unwritable_cache_directory_keeps_decisions_in_memory(monkeypatch, tm
     with pytest.warns(RuntimeWarning, match="not written"):
         assert sel.choose(make_call(), sdpa_candidate()).name == "ours"
     assert sel.choose(make_call(), sdpa_candidate()).name == "ours"  # from memory
+
+
+def test_log_sum_exp_is_gated_by_merging_halves_of_the_keys():
+    def skewed(call):  # lse off by +-0.09: under the direct check's 0.1, but the merge weighs wrong
+        out, lse = exact(call)
+        return out, lse + (0.09 if call.k.shape[2] % 2 == 0 else -0.09)
+
+    sel = Selector([standin("skewed", skewed), standin("ours")],
+                   timer=fixed_times({SDPA: 1.0, "skewed": 0.1, "ours": 0.5}))
+    assert sel.choose(make_call(sk=41, need_lse=True), sdpa_candidate()).name == "ours"
+    (decision,) = sel.decisions.values()
+    assert decision.gate["skewed"].startswith("merged halves FAIL") and decision.gate["ours"].startswith("pass")
