@@ -1,0 +1,122 @@
+"""The remote runner's controller against world size: stand-in workers, 8 per simulated node.
+
+    python plugins/dtorch_zmq/bench/controller_scale.py [--worlds 1,8,64,256,1024] [--ops 2048]
+
+For each world size the real controller (``dt.init(runner="remote")``, one copy per node) drives
+stand-in workers (``_standin.py``: the real protocol and node fan-out, but batches are only
+decoded and acknowledged) hosted as threads of a few processes on this machine; each simulated
+node's leader holds the node's only ZMQ connection and hands batches to its 7 followers over
+shared memory. Rows, per world size:
+
+  start s        launching the stand-in processes until ``dt.init`` returned
+  ctl CPU us/op  controller process CPU (its main and I/O threads) per op while issuing ``--ops``
+                 elementwise ops on a Shard(0) tensor (each a Call to every rank), then a sync
+  wall us/op     wall time for the same (the stand-ins share the 2 cores, so this is an upper bound)
+  B/op           batch bytes the controller sent per op (all nodes), B/op/node the same per node
+
+Targets (issue 16): flat per op (here: the largest CPU us/op within 1.5x the smallest), bytes per
+batch proportional to nodes (B/op/node within 10% across sizes), 1,024 workers start in < 30 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+from dtorch_zmq.keys import write_key
+
+import dtorch_core as dt
+from dtorch_core.controller.session import current_session
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NODE = 8
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def launch(address: str, key: str, world: int, processes: int) -> list[subprocess.Popen]:
+    """Stand-in processes, each hosting whole nodes."""
+    nodes = -(-world // NODE)
+    per = -(-nodes // processes)
+    env = dict(os.environ, DTORCH_FANOUT_RING_BYTES=str(64 << 10))
+    procs = []
+    for first_node in range(0, nodes, per):
+        first, end = first_node * NODE, min(world, (first_node + per) * NODE)
+        procs.append(subprocess.Popen(["nice", "-n", "5", sys.executable, os.path.join(HERE, "_standin.py"), "--address", address,
+                                       "--key-file", key, "--ranks", str(first), str(end), "--node-size", str(NODE)],
+                                      env=env, stdin=subprocess.DEVNULL))
+    return procs
+
+
+def measure(world: int, ops: int, key: str, processes: int) -> dict:
+    address = free_address()
+    start = time.perf_counter()
+    procs = launch(address, key, world, processes)
+    try:
+        dt.init(world_size=world, runner="remote", listen=address, key_file=key, startup_timeout=120)
+        started = time.perf_counter() - start
+        mesh = dt.init_device_mesh("cpu", (world,))
+        x = dt.distribute_tensor(torch.zeros(4 * world), mesh, [dt.Shard(0)])
+        for _ in range(256):  # warm up (plans cached)
+            x = x + 1
+        dt.synchronize()
+        endpoint = current_session().runner.endpoint
+        sent = endpoint.batch_bytes
+        cpu, wall = time.process_time(), time.perf_counter()
+        for _ in range(ops):
+            x = x + 1
+        dt.synchronize()
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        sent = endpoint.batch_bytes - sent
+        nodes = len(current_session().runner.leaders)
+    finally:
+        dt.shutdown()
+        codes = [p.wait(60) for p in procs]
+    assert codes == [0] * len(procs), codes
+    return {"world": world, "nodes": nodes, "start s": started, "ctl CPU us/op": 1e6 * cpu / ops,
+            "wall us/op": 1e6 * wall / ops, "B/op": sent / ops, "B/op/node": sent / ops / nodes}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default="1,8,64,256,1024")
+    parser.add_argument("--ops", type=int, default=2048)
+    parser.add_argument("--processes", type=int, default=4, help="stand-in processes (each hosts whole nodes)")
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        key = os.path.join(tmp, "key")
+        write_key(key)
+        for world in (int(w) for w in args.worlds.split(",")):
+            rows.append(measure(world, args.ops, key, args.processes))
+            print("  ".join(f"{k} {v:,.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()),
+                  flush=True)
+    print(f"\n{args.ops} ops per world, {NODE} stand-in workers per simulated node, {os.cpu_count()} CPU cores")
+    cpu = [r["ctl CPU us/op"] for r in rows]
+    per_node = [r["B/op/node"] for r in rows]
+    flat = max(cpu) / min(cpu)
+    spread = max(per_node) / min(per_node)
+    print(f"  controller CPU per op, largest/smallest: {flat:.2f}x  (target <= 1.5x: {'met' if flat <= 1.5 else 'NOT met'})")
+    print(f"  bytes per op per node, largest/smallest: {spread:.2f}x  "
+          f"(target: proportional to nodes, <= 1.1x: {'met' if spread <= 1.1 else 'NOT met'})")
+    big = [r for r in rows if r["world"] >= 1024]
+    if big:
+        took = big[0]["start s"]
+        print(f"  start-up of {big[0]['world']} workers: {took:.1f}s  (target < 30 s: {'met' if took < 30 else 'NOT met'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
