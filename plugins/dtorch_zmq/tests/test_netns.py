@@ -128,7 +128,10 @@ def hosts(cluster):
     dt.shutdown()
     left = [pid for pid in cluster.seen_pids if alive(pid)]
     for pid in left:
-        os.killpg(pid, signal.SIGKILL)
+        try:
+            os.killpg(pid, signal.SIGKILL)  # an agent's worker leads a process group of its own
+        except ProcessLookupError:
+            os.kill(pid, signal.SIGKILL)
     assert not left, f"worker processes left behind: {left}"
 
 
