@@ -140,6 +140,7 @@ class Selector:
     decisions: dict = attrs.field(factory=dict)  # (gpu, key) -> Decision
     warmed: set = attrs.field(factory=set)  # (gpu, key, choice): the kernel ran in this process
     _caches: dict = attrs.field(factory=dict)
+    _keys: dict = attrs.field(factory=dict)  # see _key_of
     _lock: threading.RLock = attrs.field(factory=threading.RLock)
 
     def __attrs_post_init__(self):
@@ -152,11 +153,20 @@ class Selector:
             cache = self._caches[gpu] = DecisionCache(CacheIdentity(gpu, _versions()))
         return cache
 
+    def _key_of(self, call: AttentionCall) -> tuple[str, str, str]:
+        """(mode, gpu, key) of ``call``, memoised on the raw inputs of the key (this runs on
+        every call: a tuple lookup is cheaper than formatting the key)."""
+        q, k = call.q, call.k
+        raw = (os.environ.get("DTORCH_ATTENTION"), q.device, q.dtype, q.shape, k.shape, call.causal, call.need_lse)
+        found = self._keys.get(raw)
+        if found is None:
+            mode = attention_mode()
+            found = self._keys[raw] = (mode, device_name(q.device), decision_key(call, mode))
+        return found
+
     def choose(self, call: AttentionCall, sdpa: Candidate) -> Candidate:
         """The kernel to run ``call`` with (``sdpa`` runs the call as the controller planned it)."""
-        mode = attention_mode()
-        gpu = device_name(call.q.device)
-        key = decision_key(call, mode)
+        mode, gpu, key = self._key_of(call)
         capturing = is_capturing(call)
         with self._lock:
             decision = self.decisions.get((gpu, key))
