@@ -48,7 +48,8 @@ def acknowledge(batch, rank: int, reply) -> int:
 
 
 def serve_rank(address: str, key: bytes, rank: int, node: str, codes: list) -> None:
-    endpoint, config = connect(address, key, rank, silence_s=30.0, connect_s=120.0, node=node)
+    # dozens of ranks share this process's GIL: generous silences (controller_scale.SILENCE_S)
+    endpoint, config = connect(address, key, rank, silence_s=300.0, connect_s=300.0, node=node)
     if endpoint is None:
         codes[rank] = config
         return

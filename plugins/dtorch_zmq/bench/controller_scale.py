@@ -11,8 +11,10 @@ shared memory. Rows, per world size:
   start s        launching the stand-in processes until ``dt.init`` returned
   ctl CPU us/op  controller process CPU (its main and I/O threads) per op while issuing ``--ops``
                  elementwise ops on a Shard(0) tensor (each a Call to every rank), then a sync
+  main thread    of which the thread that issues the ops (the session, the encoding, the sends)
   wall us/op     wall time for the same (the stand-ins share the 2 cores, so this is an upper bound)
   B/op           batch bytes the controller sent per op (all nodes), B/op/node the same per node
+  ops/batch      ops per batch the session flushed (each batch is one message per node)
 
 Targets (issue 16): flat per op (here: the largest CPU us/op within 1.5x the smallest), bytes per
 batch proportional to nodes (B/op/node within 10% across sizes), 1,024 workers start in < 30 s.
@@ -38,6 +40,7 @@ from dtorch_core.controller.session import current_session
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NODE = 8
+SILENCE_S = 300.0
 
 
 def free_address() -> str:
@@ -65,7 +68,10 @@ def measure(world: int, ops: int, key: str, processes: int) -> dict:
     start = time.perf_counter()
     procs = launch(address, key, world, processes)
     try:
-        dt.init(world_size=world, runner="remote", listen=address, key_file=key, startup_timeout=120)
+        # dozens of stand-in workers share one process and its GIL (and on a loaded machine a
+        # thread may wait many seconds for it): a 5 s heartbeat would call them lost
+        dt.init(world_size=world, runner="remote", listen=address, key_file=key, startup_timeout=300,
+                heartbeat_timeout=SILENCE_S)
         started = time.perf_counter() - start
         mesh = dt.init_device_mesh("cpu", (world,))
         x = dt.distribute_tensor(torch.zeros(4 * world), mesh, [dt.Shard(0)])
@@ -73,27 +79,30 @@ def measure(world: int, ops: int, key: str, processes: int) -> dict:
             x = x + 1
         dt.synchronize()
         endpoint = current_session().runner.endpoint
-        sent = endpoint.batch_bytes
-        cpu, wall = time.process_time(), time.perf_counter()
+        sent, messages = endpoint.batch_bytes, endpoint.batches_sent
+        cpu, main_cpu, wall = time.process_time(), time.thread_time(), time.perf_counter()
         for _ in range(ops):
             x = x + 1
+        main_cpu = time.thread_time() - main_cpu
         dt.synchronize()
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         sent = endpoint.batch_bytes - sent
+        messages = endpoint.batches_sent - messages
         nodes = len(current_session().runner.leaders)
     finally:
         dt.shutdown()
         codes = [p.wait(60) for p in procs]
     assert codes == [0] * len(procs), codes
-    return {"world": world, "nodes": nodes, "start s": started, "ctl CPU us/op": 1e6 * cpu / ops,
-            "wall us/op": 1e6 * wall / ops, "B/op": sent / ops, "B/op/node": sent / ops / nodes}
+    return {"world": world, "nodes": nodes, "start s": started, "ctl CPU us/op": 1e6 * cpu / ops, "main thread us/op": 1e6 * main_cpu / ops,
+            "wall us/op": 1e6 * wall / ops, "B/op": sent / ops, "B/op/node": sent / ops / nodes,
+            "ops/batch": ops * nodes / max(1, messages)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", default="1,8,64,256,1024")
     parser.add_argument("--ops", type=int, default=2048)
-    parser.add_argument("--processes", type=int, default=4, help="stand-in processes (each hosts whole nodes)")
+    parser.add_argument("--processes", type=int, default=16, help="stand-in processes (each hosts whole nodes)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

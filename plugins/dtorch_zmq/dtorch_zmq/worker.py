@@ -77,6 +77,7 @@ class WorkerEndpoint:
         self.rank = rank
         self.node = None
         self._on_gone = on_gone or _exit_gone
+        self._closing = False
         self.nonce = secrets.token_bytes(16)
         self.inbox: queue.Queue = queue.Queue()
         self.silence_s = silence_s
@@ -143,16 +144,18 @@ class WorkerEndpoint:
             self._last_ping = now
             self.send(fr.PING, [b""])
         silent = now - self._last_heard
-        if silent > (self.silence_s if self.welcomed else self.connect_s):
+        if silent > (self.silence_s if self.welcomed else self.connect_s) and not self._closing:
             # from this thread: the main one may be inside a collective that never ends now
             what = "was silent" if self.welcomed else "did not answer"
             self._last_heard = float("inf")  # once
             self._on_gone(f"the controller at {self.address} {what} for {silent:.0f}s")
 
     def _loop_died(self, exc: BaseException) -> None:
-        self._on_gone(f"its connection thread failed ({exc!r})")
+        if not self._closing:  # a loop that outlived close()'s wait fails on the closed socket
+            self._on_gone(f"its connection thread failed ({exc!r})")
 
     def close(self) -> None:
+        self._closing = True
         if self.node is not None:  # the followers' goodbyes go out through this connection
             self.node.wait_followers(BYE_GRACE_S)
             self.node.close()
