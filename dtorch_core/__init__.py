@@ -7,6 +7,7 @@ are handles; ops on them are planned here and run asynchronously on the workers.
 from __future__ import annotations
 
 from . import checkpoint, debug, errors, nn, optim, optim_replay, tensor
+from .planner import native_dispatch
 from .api import (
     TENSOR_METHODS,
     arange,
@@ -53,6 +54,7 @@ from .placement import Partial, Replicate, Shard
 from .tensor import DTensor
 
 tensor.install(TENSOR_METHODS)  # DTensor's dispatcher and movement, once, before any DTensor exists
+native_dispatch.install()  # its cache hits in C++ where the extension is built (DTORCH_NATIVE_DISPATCH=0: not)
 optim_replay.install()  # torch.optim step hooks that let dt.compile replay torch's optimizers
 
 __version__ = "0.1.0"

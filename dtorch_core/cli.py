@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 
 from .hookspecs import hookimpl
+from .planner import native_dispatch
 
 ENV_VARS = (
     "DTORCH_RUNNER",
@@ -31,6 +32,7 @@ ENV_VARS = (
     "DTORCH_DISABLE_PLUGINS",
     "DTORCH_TRACE_PLUGINS",
     "DTORCH_LOG_LEVEL",
+    "DTORCH_NATIVE_DISPATCH",
 )
 NATIVE_MODULE = "dtorch_core._native"
 
@@ -65,6 +67,7 @@ class Info:
     platform: str
     native_extension: bool
     local_channel: str
+    hot_path: str  # the controller's per-op path: "native" or "python (why)"
     plugins: tuple[PluginInfo, ...]
     disabled_plugins: tuple[str, ...]
     runners: tuple[str, ...]
@@ -147,6 +150,7 @@ def collect_info() -> Info:
         platform=platform.platform(),
         native_extension=native_extension_active(),
         local_channel=_local_channel(),
+        hot_path=native_dispatch.active(),
         plugins=tuple(described),
         disabled_plugins=tuple(plugins.disabled),
         runners=names("runners"),
@@ -184,6 +188,7 @@ def format_info(info: Info) -> str:
         "  native extension: "
         + ("active" if info.native_extension else "not built (pure-Python fallback)"),
         f"  local channel:    {info.local_channel}  (process runner)",
+        f"  op hot path:      {info.hot_path}  (controller, plan-cache hits)",
         f"  runners:          {listing(info.runners)}",
         f"  communicators:    {listing(info.communicators)}",
         f"  transports:       {listing(info.transports)}",

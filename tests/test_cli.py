@@ -18,6 +18,7 @@ import dtorch_core as dt
 from dtorch_core import logging as dt_logging
 from dtorch_core.cli import main
 from dtorch_core.plugins import BUILTIN_PLUGINS, reset_plugins
+from dtorch_core.planner import native_dispatch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(dt.__file__)))
 BUILTIN_NAMES = [name for name, _ in BUILTIN_PLUGINS]
@@ -96,6 +97,8 @@ def test_info_json_through_the_console_script():
     assert isinstance(info["kernels"], int) and info["kernels"] >= 1
     assert isinstance(info["ops_with_rules"], int) and info["ops_with_rules"] > 50
     assert info["native_extension"] is (importlib.util.find_spec("dtorch_core._native") is not None)
+    # the controller's hot path: native where dtorch_core._fastpath is built and not turned off
+    assert info["hot_path"] == native_dispatch.active()
 
 
 def test_info_in_process_reports_disabled_plugins(clean_env, capsys):

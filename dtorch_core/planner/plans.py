@@ -17,10 +17,10 @@ from ..ir.instructions import Call, DefinePlan
 from ..mesh import DeviceMesh
 from ..placement import Replicate
 from ..spec import TensorSpec, canonical_spec, contiguous_stride
-from ..tensor import DTensor, Handle
+from ..tensor import DTensor, Handle, handle_device
 from .emit import emit_steps
 from .source import user_source
-from .trees import same_arguments
+from .trees import first_output, same_arguments
 
 
 @attrs.define
@@ -42,9 +42,20 @@ class DirectPlan:
     writes: tuple = ()  # input indices the op writes
     view_kind: int = 0  # 0: not a view op; 1: outputs alias input 0; 2: they alias a moved copy
     op_name: str = ""
+    # what the native hot path (planner/native_dispatch.py) needs, unpacked once, of a plan with
+    # one output that moves nothing and writes nothing (simple, or a view of input 0):
+    # (plan_id, ((spec, view, shape, stride, dtype, device),), seeded, view_kind)
+    fast: tuple | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self):
         self.out_specs = tuple(None if s is None else canonical_spec(s) for s in self.out_specs)
+        direct = self.simple or (
+            self.view_kind == 1 and not self.writes and not self.rebind and all(not m for m in self.moves)
+            and all(a is None for a in self.out_alias))
+        if direct and len(self.out_specs) == 1 and self.out_specs[0] is not None and self.rebuild is first_output:
+            spec, view = self.out_specs[0], self.out_views[0]
+            self.fast = (self.plan_id, ((spec, view, spec.shape, spec.stride, spec.dtype,
+                                         handle_device(spec.mesh.device_type)),), self.seeded, self.view_kind)
 
     def run(self, session, args, kwargs, inputs):
         if self.simple:

@@ -12,9 +12,10 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _internal_code: dict = {}  # code object -> whether it belongs to dtorch, torch or generated code
 
 
-def user_source(depth: int = 3) -> tuple[str, int] | None:
+def user_source(depth: int = 1) -> tuple[str, int] | None:
     """(file, line) of the innermost frame outside dtorch and torch, starting ``depth`` frames up
-    (the default skips the planner's own frames on the hot path)."""
+    (dtorch's own frames are skipped wherever they are: how many lie between the user's call and
+    the planner depends on the path, e.g. the native hot path has no ``__torch_dispatch__`` frame)."""
     f = sys._getframe(depth)
     internal = _internal_code
     while f is not None:

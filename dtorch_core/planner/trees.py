@@ -46,10 +46,15 @@ def count_tensors(v) -> int:
     return 0
 
 
+def first_output(flat: list):
+    """The rebuild of a single-tensor output (the native hot path knows it by identity)."""
+    return flat[0]
+
+
 def flatten_outputs(out) -> tuple[list, Callable]:
     """Flat list of output tensors (None kept) and a function that rebuilds the structure."""
     if isinstance(out, torch.Tensor):
-        return [out], lambda flat: flat[0]
+        return [out], first_output
     if out is None:
         return [], lambda flat: None
     if type(out) in (tuple, list):
