@@ -198,3 +198,13 @@ def test_index_put(mesh, accumulate, xspec, vspec):
     idx = torch.tensor([7, 0, 3, 0 if accumulate else 5])
     check(mesh, lambda x, v: x.index_put((idx,), v, accumulate=accumulate), [x, values], [xspec, vspec],
           grad=(0, 1) if P not in xspec else ())
+
+
+@pytest.mark.parametrize("xspec", [(S0, R), (R, S1), (S1, S0)], ids=str)
+def test_isin(mesh, xspec):
+    # elements keep their (uneven) shards; the test elements are replicated
+    x = torch.randint(0, 9, (7, 5), generator=_gen(14))
+    test = torch.tensor([1, 4, 8])
+    (out,) = check(mesh, torch.isin, [x, test], [xspec, (R, R)])
+    assert tuple(out.placements) == tuple(on_mesh(mesh, xspec))
+    check(mesh, lambda x: torch.isin(x, 4, invert=True), [x], [xspec])

@@ -1,5 +1,5 @@
 """Joining and indexing: cat, stack, index_select, gather, scatter(_add), index_add, advanced
-indexing (``x[i, j]``: index.Tensor) and its backward (index_put)."""
+indexing (``x[i, j]``: index.Tensor) and its backward (index_put), isin."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from ..placement import Shard
 from ..planner.schema import Strategy
-from .common import ALL_PARTIALS, LINEAR_PARTIALS, R, add_all, replicate_all
+from .common import ALL_PARTIALS, LINEAR_PARTIALS, R, add_all, dim_map_strategies, replicate_all
 
 aten = torch.ops.aten
 
@@ -155,6 +155,12 @@ def index_put_rule(call):
     return strategies
 
 
+def isin_rule(call):
+    # isin(elements, test_elements): elementwise in ``elements`` (any dim sharded) against the
+    # whole set of test elements (replicated)
+    return dim_map_strategies(call, {d: d for d in range(call.inputs[0].ndim)}, partials=())
+
+
 def register(registry) -> None:
     registry.add(aten.cat.default, cat_rule, replace=True)
     registry.add(aten.stack.default, stack_rule, replace=True)
@@ -163,6 +169,8 @@ def register(registry) -> None:
     for packet in (aten.scatter_add, aten.scatter_add_, aten.scatter, aten.scatter_):
         add_all(registry, packet, scatter_rule)
     registry.add(aten.index.Tensor, index_rule, replace=True)
+    registry.add(aten.isin.Tensor_Tensor, isin_rule, replace=True)
+    registry.add(aten.isin.Tensor_Scalar, isin_rule, replace=True)
     for packet in (aten.index_put, aten.index_put_):
         add_all(registry, packet, index_put_rule)
     for packet in (aten.index_add, aten.index_add_):
