@@ -7,7 +7,14 @@ import torch
 
 from ..placement import Shard
 from ..planner.schema import Strategy
-from .common import ALL_PARTIALS, LINEAR_PARTIALS, R, add_all, dim_map_strategies, replicate_all
+from .common import (
+    ALL_PARTIALS,
+    LINEAR_PARTIALS,
+    R,
+    add_all,
+    dim_map_strategies,
+    replicate_all,
+)
 
 aten = torch.ops.aten
 
