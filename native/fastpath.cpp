@@ -11,6 +11,7 @@
 // while dt.compile records) goes to the Python dispatcher, which builds, runs or raises exactly
 // as before; so results, errors and traces are the Python path's.
 #include <Python.h>
+#include <structmember.h>
 #include <nanobind/nanobind.h>
 
 namespace nb = nanobind;
@@ -22,7 +23,6 @@ struct Config {
     PyObject *dtensor = nullptr;      // dtorch_core.tensor.DTensor
     PyObject *tensor = nullptr;       // torch.Tensor (a plain tensor input takes the Python path)
     PyObject *direct_plan = nullptr;  // dtorch_core.planner.plans.DirectPlan
-    PyObject *handle = nullptr;       // dtorch_core.tensor.Handle
     PyObject *call = nullptr;         // dtorch_core.ir.instructions.Call
     PyObject *make_wrapper = nullptr; // torch.Tensor._make_wrapper_subclass
     PyObject *fallback = nullptr;     // dtorch_core.planner.dispatch.dispatch(func, args, kwargs)
@@ -134,8 +134,82 @@ PyObject *user_source() {
     Py_RETURN_NONE;
 }
 
-// A new instance of a slotted class with its slots set, without running its __init__ (Handle's
-// and the frozen attrs Call's __init__ only store these fields).
+// The handle of a tensor id (dtorch_core.tensor.Handle in C): when it dies it tells the session
+// to free the id on the workers, as Handle.__del__ does, without a Python frame: it appends the
+// id to the session's release queue, or calls the session's release where something shadows it
+// on the instance (dt.compile's recording does). Errors are dropped, as Handle.__del__ drops
+// them (at interpreter shutdown there is nothing left to free).
+struct HandleObject {
+    PyObject_HEAD
+    PyObject *tid;
+    PyObject *session;
+    PyObject *weakrefs;
+};
+PyObject *s_releases, *s_release;
+PyTypeObject *handle_type = nullptr;
+
+void release_id(PyObject *session, PyObject *tid) {
+    Ref dict(PyObject_GetAttr(session, s_dict));
+    PyObject *shadow = dict ? PyDict_GetItemWithError(dict.p, s_release) : nullptr;
+    if (shadow) {
+        Ref r(PyObject_CallOneArg(shadow, tid));
+    } else if (dict && !PyErr_Occurred()) {
+        Ref queue(PyObject_GetAttr(session, s_releases));
+        if (queue) Ref r(PyObject_CallMethodOneArg(queue.p, s_append, tid));
+    }
+    PyErr_Clear();
+}
+
+void handle_dealloc(PyObject *self) {
+    auto *h = (HandleObject *)self;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    if (h->weakrefs) PyObject_ClearWeakRefs(self);
+    if (h->session && h->tid) release_id(h->session, h->tid);
+    PyErr_Restore(type, value, traceback);
+    Py_CLEAR(h->tid);
+    Py_CLEAR(h->session);
+    PyTypeObject *tp = Py_TYPE(self);
+    tp->tp_free(self);
+    Py_DECREF(tp);
+}
+
+PyObject *handle_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *tid, *session;
+    static const char *names[] = {"tid", "session", nullptr};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:Handle", (char **)names, &tid, &session)) return nullptr;
+    auto *h = (HandleObject *)type->tp_alloc(type, 0);
+    if (!h) return nullptr;
+    Py_INCREF(tid); h->tid = tid;
+    Py_INCREF(session); h->session = session;
+    return (PyObject *)h;
+}
+
+PyObject *new_handle(PyObject *tid, PyObject *session) {
+    auto *h = (HandleObject *)handle_type->tp_alloc(handle_type, 0);
+    if (!h) return nullptr;
+    Py_INCREF(tid); h->tid = tid;
+    Py_INCREF(session); h->session = session;
+    return (PyObject *)h;
+}
+
+PyMemberDef handle_members[] = {
+    {"tid", T_OBJECT_EX, offsetof(HandleObject, tid), 0, "the tensor id"},
+    {"session", T_OBJECT_EX, offsetof(HandleObject, session), 0, "the session that made the id"},
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(HandleObject, weakrefs), READONLY, nullptr},
+    {nullptr, 0, 0, 0, nullptr},
+};
+PyType_Slot handle_slots[] = {
+    {Py_tp_dealloc, (void *)handle_dealloc},
+    {Py_tp_new, (void *)handle_new},
+    {Py_tp_members, handle_members},
+    {Py_tp_doc, (void *)"Owns a tensor id; frees it on the workers when it dies (dtorch_core.tensor.Handle)."},
+    {0, nullptr},
+};
+PyType_Spec handle_spec = {"dtorch_core._fastpath.Handle", sizeof(HandleObject), 0, Py_TPFLAGS_DEFAULT, handle_slots};
+
+// A new instance of a slotted class with its slots set, without running its __init__ (the
+// frozen attrs Call's __init__ only stores these fields).
 PyObject *make_slotted(PyObject *type, PyObject *const *names, PyObject *const *values, int n) {
     Ref obj(PyBaseObject_Type.tp_new((PyTypeObject *)type, cfg.empty_tuple, nullptr));
     if (!obj) return nullptr;
@@ -193,9 +267,7 @@ PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs) {
                                      PyTuple_GET_ITEM(o, 4), PyTuple_GET_ITEM(o, 5), Py_False};
         Ref tensor(PyObject_Vectorcall(cfg.make_wrapper, wrapper_args, 2, cfg.wrapper_kwnames));
         if (!tensor) return nullptr;
-        PyObject *handle_names[2] = {s_tid, s_session};
-        PyObject *handle_values[2] = {tid, session};
-        Ref handle(make_slotted(cfg.handle, handle_names, handle_values, 2));
+        Ref handle(new_handle(tid, session));
         if (!handle) return nullptr;
         if (PyObject_SetAttr(tensor.p, s_spec, PyTuple_GET_ITEM(o, 0)) < 0 ||
             PyObject_SetAttr(tensor.p, s_view, PyTuple_GET_ITEM(o, 1)) < 0 ||
@@ -348,15 +420,13 @@ NB_MODULE(_fastpath, m) {
     s_source = intern("source"); s_seed = intern("seed"); s_co_filename = intern("co_filename");
     s_startswith = intern("startswith"); s_view_state = intern("_view_state");
 
-    m.def("configure", [](nb::object dtensor, nb::object tensor, nb::object direct_plan, nb::object handle,
-                          nb::object call, nb::object make_wrapper, nb::object fallback,
-                          nb::dict internal_code, nb::tuple prefixes) {
-        PyObject *objs[] = {dtensor.ptr(), tensor.ptr(), direct_plan.ptr(), handle.ptr(), call.ptr(),
-                            make_wrapper.ptr(), fallback.ptr(), internal_code.ptr(), prefixes.ptr()};
+    m.def("configure", [](nb::object dtensor, nb::object tensor, nb::object direct_plan, nb::object call,
+                          nb::object make_wrapper, nb::object fallback, nb::dict internal_code, nb::tuple prefixes) {
+        PyObject *objs[] = {dtensor.ptr(), tensor.ptr(), direct_plan.ptr(), call.ptr(), make_wrapper.ptr(),
+                            fallback.ptr(), internal_code.ptr(), prefixes.ptr()};
         for (PyObject *o : objs) Py_INCREF(o);
-        cfg.dtensor = objs[0]; cfg.tensor = objs[1]; cfg.direct_plan = objs[2]; cfg.handle = objs[3];
-        cfg.call = objs[4]; cfg.make_wrapper = objs[5]; cfg.fallback = objs[6]; cfg.internal_code = objs[7];
-        cfg.prefixes = objs[8];
+        cfg.dtensor = objs[0]; cfg.tensor = objs[1]; cfg.direct_plan = objs[2]; cfg.call = objs[3];
+        cfg.make_wrapper = objs[4]; cfg.fallback = objs[5]; cfg.internal_code = objs[6]; cfg.prefixes = objs[7];
         cfg.wrapper_kwnames = Py_BuildValue("(ssss)", "strides", "dtype", "device", "requires_grad");
         cfg.empty_tuple = PyTuple_New(0);
         cfg.empty_dict = PyDict_New();
@@ -364,6 +434,11 @@ NB_MODULE(_fastpath, m) {
         cfg.ready = true;
     }, "Hand over the classes and functions the hot path uses (once, at import of dtorch_core).");
 
+    s_releases = intern("_releases"); s_release = intern("release");
+    handle_type = (PyTypeObject *)PyType_FromSpec(&handle_spec);
+    if (!handle_type) throw nb::python_error();
+    Py_INCREF(handle_type);
+    if (PyModule_AddObject(m.ptr(), "Handle", (PyObject *)handle_type) < 0) throw nb::python_error();
     PyObject *fn = PyCFunction_NewEx(&dispatch_def, nullptr, m.ptr());
     if (!fn || PyModule_AddObject(m.ptr(), "torch_dispatch", fn) < 0) throw nb::python_error();
 }

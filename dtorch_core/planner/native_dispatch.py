@@ -2,7 +2,8 @@
 
 :func:`install` makes the extension's ``torch_dispatch`` DTensor's ``__torch_dispatch__``. It
 serves a plan-cache hit of a simple plan (no redistribution, one output) without a Python frame:
-the cache key, the output handle, the ``Call`` and its append to the session's stream, as
+the cache key, the output handle (``_fastpath.Handle``: ``tensor.Handle`` in C, which frees its
+id as that one does), the ``Call`` and its append to the session's stream, as
 :meth:`DirectPlan._run_simple <dtorch_core.planner.plans.DirectPlan>` does; everything else
 goes to :func:`dtorch_core.planner.dispatch.dispatch`, so results, errors and traces are the
 Python path's. ``DTORCH_NATIVE_DISPATCH=0`` keeps the Python path; so does a build without the
@@ -16,7 +17,7 @@ import os
 import torch
 
 from ..ir.instructions import Call
-from ..tensor import DTensor, Handle
+from ..tensor import DTensor
 from . import source
 from .dispatch import dispatch
 from .plans import DirectPlan
@@ -39,8 +40,8 @@ def install() -> str:
     except ImportError as exc:
         _active = f"python (dtorch_core._fastpath does not import: {exc})"
         return _active
-    _fastpath.configure(DTensor, torch.Tensor, DirectPlan, Handle, Call, torch.Tensor._make_wrapper_subclass,
-                        dispatch, source._internal_code, (source._PKG_DIR, source._TORCH_DIR, "<"))
+    _fastpath.configure(DTensor, torch.Tensor, DirectPlan, Call, torch.Tensor._make_wrapper_subclass, dispatch,
+                        source._internal_code, (source._PKG_DIR, source._TORCH_DIR, "<"))
     DTensor.__torch_dispatch__ = classmethod(_fastpath.torch_dispatch)
     _active = "native"
     return _active
