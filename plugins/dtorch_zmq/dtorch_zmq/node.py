@@ -215,6 +215,7 @@ class FollowerEndpoint:
         shm = _shm()
         deadline = time.monotonic() + open_s
         self.down = self.up = None
+        pause = OPEN_RETRY_S
         while self.up is None:
             try:
                 if self.down is None:
@@ -225,7 +226,8 @@ class FollowerEndpoint:
                     self.close()
                     raise ChannelClosedError(f"the node leader's channels did not appear within {open_s:g}s ({exc})") \
                         from None
-                time.sleep(OPEN_RETRY_S)
+                time.sleep(pause)
+                pause = min(0.1, pause * 2)  # a node's followers retrying must not starve its leader
         self._last_heard = time.monotonic()
         self._thread = threading.Thread(target=self._receive, name=f"dtorch-zmq-down-{rank}", daemon=True)
         self._thread.start()

@@ -36,7 +36,6 @@ CONTROLLER_GONE = 3  # exit status, as the process runner's workers use
 REFUSED_EXIT = 4
 BYE_GRACE_S = 3.0  # a worker told to exit that is still busy this long later exits at once
 CREDIT_EVERY = 64  # batches between credit reports (and whenever the queue runs dry)
-OPEN_S = 30.0  # a follower waits this long for its leader's channels
 
 
 def worker_rank(explicit: int | None) -> int:
@@ -233,7 +232,7 @@ def connect(address: str, key: bytes, rank: int, silence_s: float, connect_s: fl
             leader.start()
             endpoint.node = leader  # only now: the I/O thread ticks it
             return endpoint, config
-        follower = FollowerEndpoint(rank, place["down"], place["up"], silence_s, OPEN_S, spin,
+        follower = FollowerEndpoint(rank, place["down"], place["up"], silence_s, connect_s, spin,
                                     on_gone or _exit_gone, on_bye=lambda: _bye_timer(address))
     except BaseException:
         endpoint.close()
