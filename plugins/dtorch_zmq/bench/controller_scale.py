@@ -9,10 +9,12 @@ node's leader holds the node's only ZMQ connection and hands batches to its 7 fo
 shared memory. Rows, per world size:
 
   start s        launching the stand-in processes until ``dt.init`` returned
-  ctl CPU us/op  controller process CPU (its main and I/O threads) per op while issuing ``--ops``
-                 elementwise ops on a Shard(0) tensor (each a Call to every rank), then a sync
+  ctl CPU us/op  controller process CPU (main, flusher and I/O threads) per op, from the first of
+                 ``--ops`` elementwise ops on a Shard(0) tensor (each a Call to every rank) until
+                 ZMQ has every message (not the wait for the stand-ins that follows)
   main thread    of which the thread that issues the ops (the session, the encoding, the sends)
-  wall us/op     wall time for the same (the stand-ins share the 2 cores, so this is an upper bound)
+  wall us/op     wall time until every stand-in has taken every op (they share the 2 cores: an
+                 upper bound of the controller's)
   B/op           batch bytes the controller sent per op (all nodes), B/op/node the same per node
   ops/batch      ops per batch the session flushed (each batch is one message per node)
 
@@ -84,8 +86,12 @@ def measure(world: int, ops: int, key: str, processes: int) -> dict:
         for _ in range(ops):
             x = x + 1
         main_cpu = time.thread_time() - main_cpu
+        current_session().flush()
+        while endpoint.loop._outbox:  # every message handed to ZMQ: the controller's work is done
+            time.sleep(0.0005)
+        cpu = time.process_time() - cpu  # not the wait below, when only heartbeats tick
         dt.synchronize()
-        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        wall = time.perf_counter() - wall
         sent = endpoint.batch_bytes - sent
         messages = endpoint.batches_sent - messages
         nodes = len(current_session().runner.leaders)

@@ -79,9 +79,10 @@ class ControllerEndpoint:
         self.loop.start()
 
     # -- sending (any thread) -------------------------------------------------------------
-    def send(self, conn: Connection, kind: int, parts, zero_copy: bool = False, digest: bytes | None = None) -> Outgoing:
+    def send(self, conn: Connection, kind: int, parts, zero_copy: bool = False, digest: bytes | None = None,
+             wake: bool = True) -> Outgoing:
         """Queue one message; ``digest``: ``fr.payload_digest(parts)``, when the same parts go to
-        several connections (hashed once)."""
+        several connections (hashed once); ``wake=False``: the caller calls ``loop.wake()``."""
         with self._send_lock:
             seq = conn.send_seq
             conn.send_seq += 1
@@ -89,7 +90,7 @@ class ControllerEndpoint:
             if kind in (fr.BATCH, fr.NODE_BATCH):
                 self.batch_bytes += sum(memoryview(p).nbytes for p in sealed)
                 self.batches_sent += 1
-            return self.loop.send(Outgoing(conn.identity, sealed, zero_copy))
+            return self.loop.send(Outgoing(conn.identity, sealed, zero_copy), wake)
 
     # -- receiving (I/O thread) -----------------------------------------------------------
     def _received(self, frames) -> None:

@@ -242,13 +242,16 @@ class RemoteRunner(Runner):
                                                                      + leader.followers if r in ranked]), None)
                         for leader in self.leaders)
         pending = []
-        for leader, kind, parts, digest in messages:
-            nbytes = sum(memoryview(p).nbytes for p in parts)
-            if not leader.credit.acquire(nbytes, self.timeout, functools.partial(self._gone, leader)):
-                self._lost(leader, f"its node took no batch for {self.timeout:g}s (flow-control window full)")
-                break
-            big = len(parts) > 1 or nbytes >= fr.ZERO_COPY_BYTES
-            pending.append(self.endpoint.send(leader, kind, parts, zero_copy=big, digest=digest))
+        try:
+            for leader, kind, parts, digest in messages:
+                nbytes = sum(memoryview(p).nbytes for p in parts)
+                if not leader.credit.acquire(nbytes, self.timeout, functools.partial(self._gone, leader)):
+                    self._lost(leader, f"its node took no batch for {self.timeout:g}s (flow-control window full)")
+                    break
+                big = len(parts) > 1 or nbytes >= fr.ZERO_COPY_BYTES
+                pending.append(self.endpoint.send(leader, kind, parts, zero_copy=big, digest=digest, wake=False))
+        finally:
+            self.endpoint.loop.wake()  # once for the batch's messages to every node
         self._wait_sent(pending)
 
     def _wait_sent(self, pending) -> None:

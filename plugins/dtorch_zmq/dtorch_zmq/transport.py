@@ -70,11 +70,17 @@ class IOLoop:
         self._thread.start()
         return self
 
-    def send(self, out: Outgoing) -> Outgoing:
+    def send(self, out: Outgoing, wake: bool = True) -> Outgoing:
+        """Queue ``out``; ``wake=False`` leaves waking the thread to a later :meth:`wake` (one
+        wake for the messages of a batch to every node, not one per message)."""
         self._outbox.append(out)
+        if wake:
+            self.wake()
+        return out
+
+    def wake(self) -> None:
         with self._wake_lock:
             self._wake_tx.send(b"", zmq.NOBLOCK)
-        return out
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop = True
