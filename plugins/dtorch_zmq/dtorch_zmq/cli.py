@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from dtorch_core.errors import ConfigError
 
@@ -31,7 +32,8 @@ class WorkerCommand:
         parser.add_argument("--key-file", required=True, help="the session's key file (dtorch keygen)")
         parser.add_argument("--rank", type=int, default=None, help="this worker's rank (else RANK or SLURM_PROCID)")
         parser.add_argument("--device-index", type=int, default=None,
-                            help="local device to use (default: the rank)")
+                            help="local device to use (default: LOCAL_RANK (torchrun), else SLURM_LOCALID, "
+                                 "else the rank)")
         parser.add_argument("--controller-timeout", type=float, default=10.0, metavar="SECONDS",
                             help="exit when the controller is silent this long once connected (default 10)")
         parser.add_argument("--connect-timeout", type=float, default=120.0, metavar="SECONDS",
@@ -45,5 +47,23 @@ class WorkerCommand:
         rank = worker_rank(args.rank)
         if rank < 0:
             raise ConfigError(f"--rank {rank}: a rank is >= 0")
-        return serve(args.controller, args.key_file, rank, args.device_index,
+        return serve(args.controller, args.key_file, rank, local_device_index(args.device_index),
                      silence_s=args.controller_timeout, connect_s=args.connect_timeout)
+
+
+def local_device_index(given: int | None) -> int | None:
+    """The device this worker uses on its host: ``--device-index``, else the launcher's local
+    rank (torchrun's LOCAL_RANK, Slurm's SLURM_LOCALID), else None (the rank: one host)."""
+    if given is not None:
+        return given
+    for name in ("LOCAL_RANK", "SLURM_LOCALID"):
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                index = int(value)
+            except ValueError:
+                raise ConfigError(f"{name}={value!r} is not a device index") from None
+            if index < 0:
+                raise ConfigError(f"{name}={value!r} is not a device index")
+            return index
+    return None
