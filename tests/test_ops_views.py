@@ -9,7 +9,7 @@ import torch
 
 import dtorch_core as dt
 
-from .helpers import P, R, S, assert_close, check_op, sample_placements
+from .helpers import WORLD_SIZE, P, R, S, assert_close, check_op, sample_placements
 
 X = (10, 7, 3)  # on 4 ranks: 3,3,3,1 / 2,2,2,1 / 1,1,1,0
 
@@ -275,6 +275,8 @@ NESTED = [
 ]
 
 
+@pytest.mark.skipif(WORLD_SIZE < 2, reason="one worker holds every batch row: the view moves (a copy, its group "
+                    "has one member); written for a mesh whose batch dim has one row per rank")
 @pytest.mark.parametrize("case", NESTED, ids=[c[0] for c in NESTED])
 def test_batch_rows_keep_sequence_shards(mesh2d, case):
     _, fn, shape, src, expected = case

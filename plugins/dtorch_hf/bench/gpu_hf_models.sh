@@ -48,8 +48,8 @@ grep -vE "^ +[0-9/]+ +[0-9.]+ +[0-9.]+ " "$OUT/profile.log" | head -n 150  # the
 
 stamp "native channel"
 wait $NATIVE_PID
-cp /tmp/core/dtorch_core/_native*.so "$REPO/dtorch_core/" 2>/dev/null || echo "native channel not built (pipe channel used): $(tail -n 3 /tmp/native.log)"
-python3 -m dtorch_core.cli info 2>&1 | grep -iE "native|channel" | head -3
+cp /tmp/core/dtorch_core/_*.so "$REPO/dtorch_core/" 2>/dev/null || echo "native extensions not built (pipe channel, Python dispatcher): $(tail -n 3 /tmp/native.log)"
+python3 -m dtorch_core.cli info 2>&1 | grep -iE "native|channel|hot path" | head -4
 
 stamp "2. timed run (process runner)"
 timeout -k 10 ${TIME_LIMIT:-200} python3 "$BENCH" --runner process --profile --top 12 --json "$OUT/timed.json" "$@" 2>&1 | tee "$OUT/timed.log"

@@ -20,7 +20,7 @@ stamp plugin tests
 timeout -k 10 140 python3 -m pytest -q -p no:cacheprovider plugins/dtorch_nccl/tests -k "not core_suite" -rfEs --tb=short > "$OUT/plugin_tests.log" 2>&1; echo "rc=$?"
 grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/plugin_tests.log" | tail -n 30
 wait $NATIVE_PID
-cp /tmp/core/dtorch_core/_native*.so dtorch_core/ 2>/dev/null || echo "native channel not built (pipe channel used): $(tail -n 3 /tmp/native.log)"
+cp /tmp/core/dtorch_core/_*.so dtorch_core/ 2>/dev/null || echo "native extensions not built (pipe channel, Python dispatcher): $(tail -n 3 /tmp/native.log)"
 python3 -m dtorch_core.cli info > "$OUT/info.txt" 2>&1; grep -iE "native|channel" "$OUT/info.txt" | head -3
 stamp bench
 CUDA_VISIBLE_DEVICES=0 timeout -k 10 150 python3 plugins/dtorch_nccl/bench/cuda_block.py --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1; echo "rc=$?"
