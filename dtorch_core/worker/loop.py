@@ -37,9 +37,10 @@ from ..ir.instructions import (
     fill_slots,
 )
 from ..mesh import DeviceMesh, root_coordinate
+from . import native
 from .collectives import CollectiveStep, WorkerCollectives  # noqa: F401  (CollectiveStep: still importable from here)
-from .graphs import replay_graphed
 from .fused import FusedSegment, build_graph, compile_segment, unalias
+from .graphs import replay_graphed
 from .programs import BindInputs, BoundConstant, NameOutputs, WorkerPrograms
 from .streams import WorkerStreams
 from .validate import CHECKED, INVALID, PROTOCOL, describe, outputs_of, problem
@@ -62,6 +63,7 @@ class LocalPlan:
     op_name: str
     seeded: bool
     overload: object = None  # the OpOverload behind ``fn`` when it is a plain op (fused segments trace it)
+    native: object = None  # the call for the native per-op path (worker/native.py), when it can take it
 
 
 def on_device(x, device: torch.device):
@@ -102,7 +104,7 @@ def _has_slot(x) -> bool:
 
 class Worker(WorkerCollectives, WorkerPrograms):
     def __init__(self, rank: int, device: torch.device, kernels, exchange, reply, streams=None,
-                 world_size: int | None = None):
+                 world_size: int | None = None, native_path: bool | None = None):
         self.rank = rank
         self.world_size = world_size  # when known: DefineMesh ranks are checked against it
         self.device = device
@@ -123,26 +125,64 @@ class Worker(WorkerCollectives, WorkerPrograms):
         self.fused_segments = 0
         self.fused_runs = 0
         self.fused_fallbacks = 0
+        # runs of Calls in C++ (worker/native.py); None: every instruction takes the Python path
+        self.run_calls = native.runner(LocalPlan, native_path)
 
     # -- stream ---------------------------------------------------------------------------
     def run_batch(self, batch) -> None:
-        for ins in batch:
-            try:
-                t = type(ins)
-                if t in CHECKED:
-                    bad = problem(self, ins)
-                    if bad is not None:
-                        self.reject(ins, describe(ins, message=bad))
-                        continue
-                if t is RunProgram:
-                    if self.streams.can_capture and replay_graphed(self, ins):
-                        continue
-                    for step in self.expand_program(ins):
-                        self.execute(step)
-                else:
-                    self.execute(ins)
-            except INVALID as exc:  # decodable but invalid: skip it, report it, keep serving
-                self.reject(ins, describe(ins, exc))
+        run_calls = self.run_calls
+        if run_calls is None or type(batch) is not list:
+            for ins in batch:
+                self._run_one(ins)
+            return
+        i, n = 0, len(batch)
+        while i < n:
+            i, raised = run_calls(batch, i, self.store, self.plans, self.streams)
+            if i >= n:
+                return
+            ins = batch[i]
+            i += 1
+            if raised is not None:
+                self._kernel_failed(ins, self.plans[ins.plan_id], raised)
+            else:
+                self._run_one(ins)
+
+    def _run_one(self, ins) -> None:
+        """Run one instruction of a batch; an invalid one is rejected, the worker keeps serving."""
+        try:
+            t = type(ins)
+            if t in CHECKED:
+                bad = problem(self, ins)
+                if bad is not None:
+                    self.reject(ins, describe(ins, message=bad))
+                    return
+            if t is RunProgram:
+                if self.streams.can_capture and replay_graphed(self, ins):
+                    return
+                self._run_steps(self.expand_program(ins))
+            else:
+                self.execute(ins)
+        except INVALID as exc:  # decodable but invalid: skip it, report it, keep serving
+            self.reject(ins, describe(ins, exc))
+
+    def _run_steps(self, steps: list) -> None:
+        """A replay's steps, in order (their runs of Calls native where it is on)."""
+        run_calls = self.run_calls
+        if run_calls is None:
+            for step in steps:
+                self.execute(step)
+            return
+        i, n = 0, len(steps)
+        while i < n:
+            i, raised = run_calls(steps, i, self.store, self.plans, self.streams)
+            if i >= n:
+                return
+            step = steps[i]
+            i += 1
+            if raised is not None:
+                self._kernel_failed(step, self.plans[step.plan_id], raised)
+            else:
+                self.execute(step)
 
     def reject(self, ins, message: str) -> None:
         """Skip ``ins``: its outputs fail with ``message``, which also goes to the controller."""
@@ -257,7 +297,8 @@ class Worker(WorkerCollectives, WorkerPrograms):
             def fn(*_a, **_k):
                 raise RuntimeError(message)
 
-        self.plans[ins.plan_id] = LocalPlan(fn, _binder(args, kwargs), ins.op_name, ins.seeded, overload)
+        template = native.template(fn, args, kwargs, ins.seeded) if self.run_calls is not None else None
+        self.plans[ins.plan_id] = LocalPlan(fn, _binder(args, kwargs), ins.op_name, ins.seeded, overload, template)
 
 
     # -- execution ------------------------------------------------------------------------
@@ -285,8 +326,7 @@ class Worker(WorkerCollectives, WorkerPrograms):
                 kwargs["seed"] = ins.seed
             out = plan.fn(*args, **kwargs)
         except Exception as exc:
-            self.log.debug("kernel failed", op=plan.op_name, source=ins.source, error=repr(exc))
-            self._fail(ins.outputs, WorkerFailure(self.rank, plan.op_name, ins.source, f"{type(exc).__name__}: {exc}"))
+            self._kernel_failed(ins, plan, exc)
             return
         outs = ins.outputs
         if len(outs) == 1 and isinstance(out, torch.Tensor):
@@ -296,6 +336,10 @@ class Worker(WorkerCollectives, WorkerPrograms):
         for tid, o in zip(outs, out if isinstance(out, (list, tuple)) else (out,)):
             if tid >= 0:
                 store[tid] = o
+
+    def _kernel_failed(self, ins: Call, plan: LocalPlan, exc: Exception) -> None:
+        self.log.debug("kernel failed", op=plan.op_name, source=ins.source, error=repr(exc))
+        self._fail(ins.outputs, WorkerFailure(self.rank, plan.op_name, ins.source, f"{type(exc).__name__}: {exc}"))
 
     def _fused(self, seg: FusedSegment) -> None:
         store = self.store

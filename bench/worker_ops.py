@@ -1,0 +1,203 @@
+"""A worker's own cost per small op, around the kernel: the Python path against the native one.
+
+    python bench/worker_ops.py [--ops 3000] [--rounds 7] [--json out.json]
+
+The op streams of bench/_streams.py (``add``: ``a + a`` repeated; ``mix``: the dependent chain
+add, mul, relu) on 64x64 float32 shards are captured as the controller sends them (inline
+runner, 2 ranks, Calls and the Deletes of dropped results), then rank 0's batches run on fresh
+:class:`~dtorch_core.worker.loop.Worker` objects in this process, every side in the same run:
+
+  kernel        the aten ops' C++ callables (``OpOverload._op``) called in a Python loop: the
+                kernels plus the least Python can add; the anchor
+  torch eager   the stream's own code on plain tensors (``a + a``: PyTorch's eager dispatch)
+  worker py     Worker.run_batch on the Python path (``DTORCH_NATIVE_WORKER=0``)
+  worker native Worker.run_batch on the native path (dtorch_core._workerpath)
+  +decode py / +decode native
+                the same after ``wire.decode`` of each batch's bytes: what a process-runner
+                worker does per frame
+
+Every row is time per op (the batch's time over its Calls) with its ratio to the kernel row;
+the worker rows also give their overhead outside the kernel (worker - kernel, in us per op),
+against issue 18's target of <= 1 us. Rounds interleave the sides; the minimum is reported.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(BENCH_DIR)
+sys.path.insert(0, BENCH_DIR)
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+import dtorch_core as dt  # noqa: E402
+from dtorch_core.controller.session import current_session  # noqa: E402
+from dtorch_core.ir import wire  # noqa: E402
+from dtorch_core.ir.instructions import Call  # noqa: E402
+from dtorch_core.plugins import get_plugins  # noqa: E402
+from dtorch_core.runners.process import for_rank  # noqa: E402
+from dtorch_core.worker import native  # noqa: E402
+from dtorch_core.worker.loop import Worker  # noqa: E402
+
+from _streams import STREAMS, global_inputs, local_inputs  # noqa: E402
+
+aten = torch.ops.aten
+
+
+def capture(stream: str, steps: int) -> tuple[list, list]:
+    """(setup batches, stream batches) the controller submits, as rank 0 receives them."""
+    dt.init(world_size=2, runner="inline")
+    batches: list = []
+    runner = current_session().runner
+    submit = runner.submit
+
+    def record(batch):
+        batches.append(for_rank(list(batch), 0))
+        submit(batch)
+
+    runner.submit = record
+    try:
+        mesh = dt.init_device_mesh("cpu", (2,), mesh_dim_names=("x",))
+        ga, gb = global_inputs(2)
+        a = dt.distribute_tensor(ga, mesh, [dt.Shard(0)])
+        b = dt.distribute_tensor(gb, mesh, [dt.Shard(0)])
+        step, _ = STREAMS[stream]
+        for _ in range(3):  # plan-cache misses (DefinePlans) go with the setup
+            step(a, b)
+        dt.synchronize()
+        setup = len(batches)
+        for _ in range(steps):
+            step(a, b)
+        dt.synchronize()
+    finally:
+        dt.shutdown()
+    return batches[:setup], batches[setup:]
+
+
+def kernel_loop(stream: str, n: int) -> float:
+    """Seconds for ``n`` steps of ``stream`` as bare ``_op`` calls (the anchor)."""
+    a, b = local_inputs()
+    add, mul, relu = aten.add.Tensor._op, aten.mul.Tensor._op, aten.relu.default._op
+    t0 = time.perf_counter()
+    if stream == "add":
+        for _ in range(n):
+            add(a, a)
+    else:
+        for _ in range(n):
+            relu(mul(add(a, b), b))
+    return time.perf_counter() - t0
+
+
+def eager_loop(stream: str, n: int) -> float:
+    a, b = local_inputs()
+    step, _ = STREAMS[stream]
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step(a, b)
+    return time.perf_counter() - t0
+
+
+def fresh_worker(setup: list, native_path: bool) -> Worker:
+    w = Worker(0, torch.device("cpu"), get_plugins().registry("kernels"), None, lambda reply: None,
+               world_size=2, native_path=native_path)
+    for batch in setup:
+        w.run_batch(batch)
+    return w
+
+
+def worker_run(setup: list, batches: list, native_path: bool) -> float:
+    w = fresh_worker(setup, native_path)
+    t0 = time.perf_counter()
+    for batch in batches:
+        w.run_batch(batch)
+    return time.perf_counter() - t0
+
+
+def worker_decode_run(setup: list, frames: list, native_path: bool) -> float:
+    w = fresh_worker(setup, native_path)
+    decode = wire.decode
+    t0 = time.perf_counter()
+    for data in frames:
+        w.run_batch(decode(data))
+    return time.perf_counter() - t0
+
+
+def check_same(setup: list, batches: list) -> float:
+    """The largest difference between the two paths' stores (0.0 expected) after the stream."""
+    stores = []
+    for native_path in (False, True):
+        w = fresh_worker(setup, native_path)
+        for batch in batches:
+            w.run_batch(batch)
+        stores.append(w.store)
+    py, nat = stores
+    if py.keys() != nat.keys():
+        raise SystemExit(f"the paths' stores hold different ids: {sorted(py.keys() ^ nat.keys())[:10]}")
+    return max((float((py[k] - nat[k]).abs().max()) for k in py if isinstance(py[k], torch.Tensor)), default=0.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", type=int, default=3000, help="ops per stream and round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if native.active() != "native":
+        raise SystemExit(f"the native worker path is not available: {native.active()}")
+
+    results = {}
+    load = os.getloadavg()
+    for stream, (_, ops_per_step) in STREAMS.items():
+        steps = max(1, args.ops // ops_per_step)
+        setup, batches = capture(stream, steps)
+        calls = sum(type(ins) is Call for batch in batches for ins in batch)
+        frames = [wire.encode(batch) for batch in batches]
+        diff = check_same(setup, batches)
+        sides = {
+            "kernel": lambda: kernel_loop(stream, steps),  # noqa: B023
+            "torch eager": lambda: eager_loop(stream, steps),  # noqa: B023
+            "worker py": lambda: worker_run(setup, batches, False),  # noqa: B023
+            "worker native": lambda: worker_run(setup, batches, True),  # noqa: B023
+            "+decode py": lambda: worker_decode_run(setup, frames, False),  # noqa: B023
+            "+decode native": lambda: worker_decode_run(setup, frames, True),  # noqa: B023
+        }
+        best: dict = {}
+        for _ in range(args.rounds):
+            for name, fn in sides.items():
+                t = fn() / calls
+                best[name] = min(best.get(name, t), t)
+        kernel = best["kernel"]
+        print(f"\nstream {stream!r}: {calls} Calls in {len(batches)} batches ({steps} steps of {ops_per_step} ops); "
+              f"stores of both paths differ by {diff:g}")
+        print(f"{'side':16s} {'us/op':>8s} {'x kernel':>9s} {'overhead us/op':>15s}")
+        row = {}
+        for name, t in best.items():
+            over = (t - kernel) * 1e6
+            extra = f"{over:15.2f}" if name not in ("kernel", "torch eager") else ""
+            print(f"{name:16s} {t * 1e6:8.2f} {t / kernel:9.2f} {extra}")
+            row[name] = {"us_per_op": t * 1e6, "ratio_kernel": t / kernel, "overhead_us": over}
+        row["native_over_python_overhead"] = row["worker native"]["overhead_us"] / row["worker py"]["overhead_us"]
+        results[stream] = row
+    print(f"\nload average at start {load[0]:.1f}, at end {os.getloadavg()[0]:.1f}")
+    for stream, row in results.items():
+        print(f"{stream}: worker overhead outside the kernel native {row['worker native']['overhead_us']:.2f} us/op "
+              f"(python {row['worker py']['overhead_us']:.2f}; target <= 1.0), with decode native "
+              f"{row['+decode native']['overhead_us']:.2f} (python {row['+decode py']['overhead_us']:.2f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

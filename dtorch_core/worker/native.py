@@ -1,0 +1,101 @@
+"""The worker's per-op path in C++ (``dtorch_core._workerpath``, native/workerpath.cpp).
+
+:class:`~dtorch_core.worker.loop.Worker` runs the consecutive ``Call`` instructions of a batch
+through :func:`runner`'s ``run_calls``: inputs from the store, the arguments from the plan's
+:func:`template` (made once per plan), the kernel by vectorcall (an aten op's C++ callable, so no
+Python frame per op), the outputs into the store. It returns to Python at every instruction it
+does not run itself — any other instruction, a Call with a missing or failed input, a plan
+without a template (tensor inputs nested in lists or kwargs), odd field types, outstanding
+communication — and hands a kernel's exception back so that the worker records the failure as
+``Worker._call`` does: results, failures and logs are the Python path's.
+
+``DTORCH_NATIVE_WORKER=0`` keeps the Python path; so does a build without the extension (no
+compiler). ``dtorch info`` says which one runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..ir.instructions import Call, Slot, WorkerFailure
+
+_module = None
+_import_error: str | None = None
+_configured = False
+
+
+def _imported():
+    """The extension, or None (the reason in ``_import_error``)."""
+    global _module, _import_error
+    if _module is None and _import_error is None:
+        try:
+            from .. import _workerpath
+        except ImportError as exc:
+            _import_error = f"dtorch_core._workerpath does not import: {exc}"
+        else:
+            _module = _workerpath
+    return _module
+
+
+def active() -> str:
+    """Which per-op path a worker made now uses: "native", or "python (the reason)"."""
+    if os.environ.get("DTORCH_NATIVE_WORKER", "1") == "0":
+        return "python (DTORCH_NATIVE_WORKER=0)"
+    if _imported() is None:
+        return f"python ({_import_error})"
+    return "native"
+
+
+def runner(local_plan: type, enabled: bool | None = None):
+    """``run_calls(batch, start, store, plans, streams) -> (position, exception or None)``, or
+    None for the Python path: ``enabled=False``, or with ``enabled=None`` where :func:`active`
+    says so. ``local_plan`` is the worker's plan class (its ``native`` slot holds the template)."""
+    global _configured
+    if enabled is False or (enabled is None and active() != "native") or _imported() is None:
+        return None
+    if not _configured:
+        _module.configure(Call, local_plan, WorkerFailure, torch.Tensor)
+        _configured = True
+    return _module.run_calls
+
+
+def template(fn, args, kwargs: dict, seeded: bool):
+    """The native call of a plan (``fn(*args, **kwargs)`` with each top-level ``Slot`` filled,
+    plus ``seed=`` when ``seeded``), or None where the Python binder must do it: a Slot inside a
+    list or tuple or among the keyword arguments, a keyword that is not a str, or ``seed`` given
+    twice."""
+    if _module is None:
+        return None
+    if type(args) not in (tuple, list) or type(kwargs) is not dict:
+        return None
+    if any(type(k) is not str for k in kwargs) or (seeded and "seed" in kwargs):
+        return None
+    argv = []
+    holes = []
+    for i, a in enumerate(args):
+        if type(a) is Slot:
+            if type(a.index) is not int or a.index < 0:
+                return None
+            holes.append((i, a.index))
+            argv.append(None)
+        elif _holds_slot(a):
+            return None
+        else:
+            argv.append(a)
+    for v in kwargs.values():
+        if type(v) is Slot or _holds_slot(v):
+            return None
+        argv.append(v)
+    if seeded:
+        argv.append(None)
+    return _module.Template(fn, tuple(argv), tuple(holes), tuple(kwargs), seeded)
+
+
+def _holds_slot(x) -> bool:
+    if type(x) is Slot:
+        return True
+    if type(x) in (tuple, list):
+        return any(_holds_slot(a) for a in x)
+    return False
