@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import math
 
+import attrs
 import structlog
 import torch
 
@@ -13,13 +14,21 @@ from .controller import session as _session_mod
 from .controller.session import Session, current_session
 from .controller.settings import setting
 from .errors import PlacementError
+from .ir.instructions import Collective
 from .logging import ensure_configured
 from .mesh import DeviceMesh, register_root, root_coordinate
-from .placement import Partial, Replicate, Shard
+from .placement import Partial, Replicate, Shard, refuse_torch_mesh
 from .planner.dispatch import dispatch
 from .planner.factories import factory
-from .planner.moves import fetch_full, issue_redistribute, local_shard, local_shards, without_partial
+from .planner.moves import (
+    fetch_full,
+    issue_redistribute,
+    local_shard,
+    local_shards,
+    without_partial,
+)
 from .plugins import get_plugins
+from .redistribute import same_local_regions
 from .spec import TensorSpec, contiguous_stride, shard_region
 from .tensor import DTensor, TensorMethods, root_placements, view_for
 
@@ -157,6 +166,7 @@ def meta_as_uninitialised():
 def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements=None) -> DTensor:
     """Split ``tensor`` (held by the controller) onto the mesh; uneven shards follow torch.chunk."""
     session = current_session()
+    refuse_torch_mesh(device_mesh, "distribute_tensor")
     if isinstance(tensor, DTensor):
         raise PlacementError("distribute_tensor got a DTensor; use .redistribute() instead")
     if placements is None:
@@ -272,7 +282,7 @@ def arange(start, end=None, step=1, *, device_mesh, placements=None, dtype=None)
     """Like ``torch.arange``; each rank computes only its own part."""
     if end is None:
         start, end = 0, start
-    n = len(range(0, math.ceil((end - start) / step))) if step else 0
+    n = len(range(math.ceil((end - start) / step))) if step else 0
     return _factory("arange", (n,), device_mesh, placements, dtype, fill=(start, step))
 
 
@@ -302,15 +312,57 @@ class _Redistribute(torch.autograd.Function):
         return issue_redistribute(grad, without_partial(ctx.src), ctx.src_view), None, None
 
 
+class _ToMesh(torch.autograd.Function):
+    """A tensor moved onto another mesh of the same devices; its gradient moves back."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, placements):
+        ctx.src = x._spec.placements
+        ctx.src_view = x._view
+        return _to_mesh(x, mesh, placements)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not isinstance(grad, DTensor):
+            return None, None, None
+        return _to_mesh(grad, ctx.src_view, without_partial(ctx.src)), None, None
+
+
+def _to_mesh(x: DTensor, mesh: DeviceMesh, placements) -> DTensor:
+    """``x`` laid out as ``placements`` (over ``mesh.root``) on ``mesh``, another mesh of the same
+    devices (no autograd). Where every rank already holds the region it needs nothing moves;
+    otherwise the tensor is gathered on its own mesh first and each rank keeps its part."""
+    src, root = x._spec, mesh.root
+    if src.mesh.device_type != root.device_type or set(src.mesh.ranks) != set(root.ranks):
+        raise PlacementError(
+            f"redistribute from {x._view!r} (ranks {sorted(src.mesh.ranks)}) to {mesh!r} (ranks "
+            f"{sorted(root.ranks)}): the meshes hold different devices, so the value has to pass through the "
+            "controller; do it explicitly: dt.distribute_tensor(x.full_tensor(), mesh, placements)"
+        )
+    if src.has_partial():
+        x = issue_redistribute(x, without_partial(src.placements))
+    whole = without_partial(placements)
+    wanted = attrs.evolve(x._spec, mesh=root, placements=whole)
+    if not same_local_regions(x._spec, wanted):
+        x = issue_redistribute(x, (Replicate(),) * src.mesh.ndim)
+        wanted = attrs.evolve(x._spec, mesh=root, placements=(Replicate(),) * root.ndim)
+    session = x._handle.session
+    tid = session.new_tid()
+    session.mesh_id(root)
+    session.emit(Collective("alias", session.mesh_id(src.mesh), 0, x._tid, tid))
+    view = mesh if mesh.is_root else view_for(wanted.with_placements(placements), mesh)
+    if tuple(wanted.placements) == tuple(placements):
+        return DTensor._make(wanted, view, tid, session)
+    return issue_redistribute(DTensor._make(wanted, root, tid, session), placements, view)
+
+
 def _redistribute_autograd(x: DTensor, device_mesh, placements) -> DTensor:
     mesh = device_mesh or x._view
-    if mesh.root != x._spec.mesh:
-        raise PlacementError(
-            f"redistribute to another mesh ({mesh!r} from {x._spec.mesh!r}) is not supported; "
-            "use full_tensor() and distribute_tensor()"
-        )
+    refuse_torch_mesh(mesh, "redistribute")
     if placements is None:
         placements = [Replicate()] * mesh.ndim
+    if mesh.root != x._spec.mesh:
+        return _ToMesh.apply(x, mesh, root_placements(mesh, placements, x.ndim))
     full = root_placements(mesh, placements, x.ndim)
     if not mesh.is_root:
         # dims outside the sub-mesh keep their placements

@@ -6,6 +6,8 @@ smaller or empty.
 
 from __future__ import annotations
 
+import sys
+
 import attrs
 
 from .errors import PlacementError
@@ -73,7 +75,7 @@ def normalize_placements(placements, ndim: int, mesh_ndim: int) -> tuple:
             "give exactly one placement per mesh dim"
         )
     out = []
-    for p in placements:
+    for p in map(as_placement, placements):
         if isinstance(p, Shard):
             d = p.dim + ndim if p.dim < 0 else p.dim
             if not 0 <= d < ndim:
@@ -84,3 +86,60 @@ def normalize_placements(placements, ndim: int, mesh_ndim: int) -> tuple:
         else:
             raise PlacementError(f"{p!r} is not a placement; use Shard(dim), Replicate() or Partial(op)")
     return tuple(out)
+
+
+# -- torch.distributed.tensor's placements ---------------------------------------------------
+# Code written for DTensor passes torch's own Shard/Replicate/Partial; they are converted here,
+# the one place placements pass through. torch's module is never imported for it (it costs most
+# of a second): an object of one of its classes means the user imported it already.
+TORCH_PLACEMENTS = "torch.distributed.tensor.placement_types"
+
+
+def as_placement(p):
+    """``p`` as a dtorch placement: dtorch's own unchanged, torch.distributed.tensor's
+    ``Shard``/``Replicate``/``Partial`` converted; anything else raises PlacementError."""
+    if isinstance(p, (Shard, Replicate, Partial)):
+        return p
+    if type(p).__module__ == TORCH_PLACEMENTS:
+        return _from_torch(p, sys.modules[TORCH_PLACEMENTS])
+    raise PlacementError(f"{p!r} is not a placement; use Shard(dim), Replicate() or Partial(op)")
+
+
+def _from_torch(p, torch_types):
+    kind = type(p)
+    if kind is torch_types.Shard:
+        return Shard(p.dim)
+    if kind is torch_types.Replicate:
+        return Replicate()
+    if kind is torch_types.Partial:
+        return Partial(p.reduce_op)
+    if kind.__name__ == "_StridedShard":
+        raise PlacementError(
+            f"torch's _StridedShard ({p!r}: dim={p.dim}, split_factor={p.split_factor}) has no dtorch "
+            "equivalent: it is DTensor's layout for a dim sharded twice out of mesh-dim order (FSDP2 over "
+            "TP). dtorch nests shards of one tensor dim in mesh-dim order; give Shard(dim) on each mesh dim"
+        )
+    raise PlacementError(
+        f"torch placement {kind.__name__} ({p!r}) has no dtorch equivalent; use Shard(dim), Replicate() "
+        "or Partial(op)"
+    )
+
+
+def as_layout(layout):
+    """A style's layout argument (one placement, a sequence of them with None for "leave alone",
+    or None) with torch's placements converted."""
+    if layout is None:
+        return None
+    if isinstance(layout, (list, tuple)):
+        return tuple(None if p is None else as_placement(p) for p in layout)
+    return as_placement(layout)
+
+
+def refuse_torch_mesh(mesh, where: str) -> None:
+    """Raise if ``mesh`` is torch.distributed's DeviceMesh, which a single controller cannot use."""
+    if type(mesh).__module__ == "torch.distributed.device_mesh":
+        raise PlacementError(
+            f"{where} got torch.distributed's DeviceMesh {mesh!r}; dtorch meshes come from "
+            "dt.init_device_mesh(device_type, shape, mesh_dim_names=...) after dt.init(), which spans the "
+            "session's workers (there is no process group to join)"
+        )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import attrs
 
+from .mesh import root_coordinate
 from .placement import Partial, Replicate, Shard
 
 
@@ -93,3 +94,13 @@ def redistribute_cost(src, dst, nbytes: int) -> float:
     if isinstance(dst, Shard):
         return float(nbytes)  # reduce-scatter
     return 2.0 * nbytes  # all-reduce
+
+
+def same_local_regions(src, dst) -> bool:
+    """Whether every rank holds the same region of the tensor under spec ``src`` as under spec
+    ``dst``, whose root meshes are two meshes of the same devices (neither spec Partial): then
+    moving the tensor from one mesh to the other moves no data."""
+    for rank in src.mesh.ranks:
+        if src.region(root_coordinate(src.mesh, rank)) != dst.region(root_coordinate(dst.mesh, rank)):
+            return False
+    return True

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import structlog
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 import dtorch_core as dt
 

@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 import dtorch_core as dt
 
@@ -204,8 +204,8 @@ def test_tied_parameters_stay_one_parameter(mesh2d):
 
 
 def test_data_parallel_reduces_all_gradients_in_one_merged_exchange(mesh2d, monkeypatch):
-    from dtorch_core.ir.instructions import Collective, MergedAllReduce
     from dtorch_core.controller.session import current_session
+    from dtorch_core.ir.instructions import Collective, MergedAllReduce
 
     torch.manual_seed(0)
     ref = GPT()

@@ -4,7 +4,9 @@ Names and defaults follow ``torch.distributed.tensor.parallel``. On a single con
 tensor's layout is known, so a style's ``input_layouts`` (how inputs arrive, in torch) is accepted
 for compatibility but not needed: inputs are redistributed to the layout the style computes with
 (Replicate for colwise, Shard(-1) for rowwise Linear, the sequence shard for SequenceParallel).
-A plain tensor holds the global value and is distributed in that layout.
+A plain tensor holds the global value and is distributed in that layout. Layouts may be given
+with torch.distributed.tensor's placements too (converted by ``placement.as_layout``); torch's
+style objects themselves are translated by ``nn/torch_styles.py``.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ import weakref
 
 import attrs
 import torch
-import torch.nn as nn
+from torch import nn
 
 from ..errors import PlacementError
 from ..mesh import DeviceMesh
-from ..placement import Replicate, Shard
+from ..placement import Replicate, Shard, as_layout, as_placement
 from ..tensor import DTensor
 
 
@@ -28,6 +30,7 @@ def to_layout(x, mesh: DeviceMesh, layout):
     if layout is None or not isinstance(x, torch.Tensor):
         return x
     placements = [layout] * mesh.ndim if not isinstance(layout, (list, tuple)) else list(layout)
+    placements = [as_placement(p) for p in placements]
     if isinstance(x, DTensor):
         if tuple(x.placements) == tuple(_normalized(placements, x.ndim)) and x.device_mesh == mesh:
             return x
@@ -36,7 +39,7 @@ def to_layout(x, mesh: DeviceMesh, layout):
 
 
 def _normalized(placements, ndim):
-    return [Shard(p.dim % ndim) if isinstance(p, Shard) and ndim else p for p in placements]
+    return [Shard(p.dim % ndim) if isinstance(p, Shard) and ndim else p for p in map(as_placement, placements)]
 
 
 # id(original Parameter) -> (weak reference to it, its distributed replacement), so that a
@@ -81,6 +84,15 @@ def _map_inputs(args, mesh, layouts):
     return tuple(to_layout(a, mesh, l) for a, l in zip(args, layouts)) + tuple(args[len(layouts):])
 
 
+def _map_kwargs(kwargs, mesh, layouts):
+    return {name: to_layout(value, mesh, layouts.get(name)) for name, value in kwargs.items()}
+
+
+def _kwarg_layouts(layouts):
+    """A ``{kwarg name: placement}`` argument with torch's placements converted."""
+    return None if layouts is None else {name: as_layout(p) for name, p in dict(layouts).items()}
+
+
 def _map_outputs(out, mesh, layouts, use_local):
     if isinstance(out, torch.Tensor):
         layout = layouts[0] if isinstance(layouts, (list, tuple)) else layouts
@@ -100,8 +112,13 @@ class ParallelStyle:
     def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         raise NotImplementedError
 
-    def _hooks(self, module, mesh, input_layouts, output_layouts, use_local_output=False):
-        if input_layouts is not None:
+    def _hooks(self, module, mesh, input_layouts, output_layouts, use_local_output=False, kwarg_layouts=None):
+        if kwarg_layouts:
+            module.register_forward_pre_hook(
+                lambda m, args, kwargs: (_map_inputs(args, mesh, input_layouts),
+                                         _map_kwargs(kwargs, mesh, kwarg_layouts)),
+                with_kwargs=True)
+        elif input_layouts is not None:
             module.register_forward_pre_hook(lambda m, args: _map_inputs(args, mesh, input_layouts))
         if output_layouts is not None:
             module.register_forward_hook(lambda m, args, out: _map_outputs(out, mesh, output_layouts,
@@ -121,8 +138,8 @@ class ColwiseParallel(ParallelStyle):
     the features, by default: no communication).
     """
 
-    input_layouts: object = attrs.field(factory=Replicate)
-    output_layouts: object = attrs.field(factory=lambda: Shard(-1))
+    input_layouts: object = attrs.field(factory=Replicate, converter=as_layout)
+    output_layouts: object = attrs.field(factory=lambda: Shard(-1), converter=as_layout)
     use_local_output: bool = False
 
     def apply(self, module, mesh):
@@ -148,8 +165,8 @@ class RowwiseParallel(ParallelStyle):
     parallelism.
     """
 
-    input_layouts: object = None
-    output_layouts: object = attrs.field(factory=Replicate)
+    input_layouts: object = attrs.field(default=None, converter=as_layout)
+    output_layouts: object = attrs.field(factory=Replicate, converter=as_layout)
     use_local_output: bool = False
 
     def apply(self, module, mesh):
@@ -187,25 +204,48 @@ class SequenceParallel(ParallelStyle):
 @attrs.define
 class PrepareModuleInput(ParallelStyle):
     """Redistribute a module's positional inputs to ``desired_input_layouts`` (one per input;
-    None leaves an input alone). ``input_layouts`` is accepted for torch compatibility: on a
-    single controller a tensor's layout is known already."""
+    None leaves an input alone) and its keyword inputs to ``desired_input_kwarg_layouts``
+    (``{name: placement}``). ``input_layouts`` and ``input_kwarg_layouts`` are accepted for torch
+    compatibility: on a single controller a tensor's layout is known already."""
 
-    input_layouts: object = None
-    desired_input_layouts: object = None
+    input_layouts: object = attrs.field(default=None, converter=as_layout)
+    desired_input_layouts: object = attrs.field(default=None, converter=as_layout)
+    input_kwarg_layouts: dict | None = attrs.field(default=None, converter=_kwarg_layouts)
+    desired_input_kwarg_layouts: dict | None = attrs.field(default=None, converter=_kwarg_layouts)
 
     def apply(self, module, mesh):
-        self._hooks(module, mesh, self.desired_input_layouts, None)
+        self._hooks(module, mesh, self.desired_input_layouts, None, kwarg_layouts=self.desired_input_kwarg_layouts)
         return module
 
 
 @attrs.define
 class PrepareModuleOutput(ParallelStyle):
-    """Redistribute a module's outputs to ``desired_output_layouts``."""
+    """Redistribute a module's outputs to ``desired_output_layouts`` (one per output of a
+    tuple; None leaves an output alone)."""
 
-    output_layouts: object = None
-    desired_output_layouts: object = None
+    output_layouts: object = attrs.field(default=None, converter=as_layout)
+    desired_output_layouts: object = attrs.field(default=None, converter=as_layout)
     use_local_output: bool = False
 
     def apply(self, module, mesh):
         self._hooks(module, mesh, None, self.desired_output_layouts, self.use_local_output)
+        return module
+
+
+@attrs.define
+class PrepareModuleInputOutput(ParallelStyle):
+    """:class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one module."""
+
+    input_layouts: object = attrs.field(default=None, converter=as_layout)
+    desired_input_layouts: object = attrs.field(default=None, converter=as_layout)
+    input_kwarg_layouts: dict | None = attrs.field(default=None, converter=_kwarg_layouts)
+    desired_input_kwarg_layouts: dict | None = attrs.field(default=None, converter=_kwarg_layouts)
+    output_layouts: object = attrs.field(default=None, converter=as_layout)
+    desired_output_layouts: object = attrs.field(default=None, converter=as_layout)
+    use_local_output: bool = False
+
+    def apply(self, module, mesh):
+        PrepareModuleInput(self.input_layouts, self.desired_input_layouts, self.input_kwarg_layouts,
+                           self.desired_input_kwarg_layouts).apply(module, mesh)
+        PrepareModuleOutput(self.output_layouts, self.desired_output_layouts, self.use_local_output).apply(module, mesh)
         return module
