@@ -18,6 +18,7 @@ from .ir.instructions import Collective
 from .logging import ensure_configured
 from .mesh import DeviceMesh, register_root, root_coordinate
 from .placement import Partial, Replicate, Shard, refuse_torch_mesh
+from .planner import gathers as _gathers
 from .planner.dispatch import dispatch
 from .planner.factories import factory
 from .planner.moves import (
@@ -107,10 +108,18 @@ def fallback_counts() -> dict[str, int]:
     return dict(current_session().fallback_counts)
 
 
-def set_strict(strict: bool = True) -> None:
-    """Make ops without a sharding rule raise (True) or run replicated with a warning (False)."""
+def gather_counts() -> dict[str, int]:
+    """How often each view-like op ran a plan that all-gathers a sharded input whose shards its
+    outputs lose (a "surprising gather", docs/explain.md); each warns once per op and module."""
+    return _gathers.gather_counts(current_session())
+
+
+def set_strict(strict: bool = True, *, gathers: bool = False) -> None:
+    """Make ops without a sharding rule raise (True) or run replicated with a warning (False);
+    ``gathers=True`` also refuses surprising gathers (docs/explain.md) with an ``OpError``."""
     session = current_session()
     session.strict = strict
+    _gathers.set_refuse(session, gathers)
     session.plans.clear()
 
 

@@ -23,6 +23,7 @@ from ..redistribute import plan_redistribute, redistribute_cost
 from ..spec import TensorSpec, contiguous_stride, shard_region
 from ..tensor import DTensor, view_for
 from ..worker.kernels import SEEDED_PREFIX
+from .gathers import GatheringPlan, lost_shards, refuse_if_strict
 from .plans import DirectPlan, kernel_plan
 from .schema import LocalCall, NotLocal, OpCall, Rule, Strategy
 from .trees import count_tensors, flatten_outputs, substitute
@@ -205,7 +206,10 @@ def _choose(session, req: PlanRequest, keep_mutated: bool) -> DirectPlan | None:
         )
         seeded = bool(rule.kernel and session.kernel_is_seeded(rule.kernel))
         returns_view = any(r.alias_info is not None for r in returns)
-        return kernel_plan(
+        lost = () if req.trusted else lost_shards(func, inputs, req.specs, in_pl, final_specs)
+        if lost:
+            refuse_if_strict(session, str(func), lost, mesh)
+        plan = kernel_plan(
             session, mesh, rule.kernel or func.name(), per_rank, op_name=str(func), seeded=seeded,
             # only aten ops and seeded aten ops: a plugin kernel may have effects we cannot see
             pure=not req.mutated and not returns_view and (rule.kernel is None or rule.kernel.startswith(SEEDED_PREFIX)),
@@ -214,6 +218,7 @@ def _choose(session, req: PlanRequest, keep_mutated: bool) -> DirectPlan | None:
             out_alias=req.out_alias, rebuild=req.rebuild, writes=writes,
             simple=simple, rebind=rebind, view_kind=view_kind,
         )
+        return GatheringPlan(plan, str(func), lost, mesh) if lost else plan
     return None
 
 

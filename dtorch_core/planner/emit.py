@@ -27,6 +27,10 @@ class CommEvent:
     kind: str  # all_gather, all_reduce, reduce_scatter, all_to_all, shift
     op: str  # the op (or "redistribute", "full_tensor", ...) the collective was issued for
     nbytes: int  # global size of the tensor the collective works on
+    # placements before and after it, and its mesh dim (dt.explain shows them; () / -1: not known)
+    src: tuple = ()
+    dst: tuple = ()
+    mesh_dim: int = -1
 
 
 def note_comm(session, event: CommEvent) -> None:
@@ -48,7 +52,8 @@ def emit_steps(session, mesh_id: int, tid: int, steps, spec, op_name: str = "") 
             if session.collective_hints:
                 shapes = local_shapes(spec.shape, placements, spec.mesh.shape)
             if session.comm_counters:
-                note_comm(session, CommEvent(step.kind, op_name, math.prod(spec.shape) * spec.dtype.itemsize))
+                note_comm(session, CommEvent(step.kind, op_name, math.prod(spec.shape) * spec.dtype.itemsize,
+                                             placements, step.placements, step.mesh_dim))
         session.emit(Collective(step.kind, mesh_id, step.mesh_dim, tid, new, step.dim, step.reduce_op, step.dim2,
                                 shapes, dtype))
         made.append(new)
@@ -63,7 +68,8 @@ def emit_shift(session, mesh_id: int, tid: int, spec, mesh_dim: int, offset: int
     new = session.new_tid()
     shapes = local_shapes(spec.shape, spec.placements, spec.mesh.shape) if session.collective_hints else ()
     if session.comm_counters:
-        note_comm(session, CommEvent("shift", op_name, math.prod(spec.shape) * spec.dtype.itemsize))
+        note_comm(session, CommEvent("shift", op_name, math.prod(spec.shape) * spec.dtype.itemsize,
+                                     spec.placements, spec.placements, mesh_dim))
     session.emit(Collective("shift", mesh_id, mesh_dim, tid, new, shapes=shapes, dtype=spec.dtype, offset=offset))
     return new
 
