@@ -23,6 +23,7 @@ import attrs
 
 from .hookspecs import hookimpl
 from .planner import native_dispatch
+from .worker import native as worker_native
 
 ENV_VARS = (
     "DTORCH_RUNNER",
@@ -68,6 +69,7 @@ class Info:
     native_extension: bool
     local_channel: str
     hot_path: str  # the controller's per-op path: "native" or "python (why)"
+    worker_path: str  # the workers' per-op path: "native" or "python (why)"
     plugins: tuple[PluginInfo, ...]
     disabled_plugins: tuple[str, ...]
     runners: tuple[str, ...]
@@ -151,6 +153,7 @@ def collect_info() -> Info:
         native_extension=native_extension_active(),
         local_channel=_local_channel(),
         hot_path=native_dispatch.active(),
+        worker_path=worker_native.active(),
         plugins=tuple(described),
         disabled_plugins=tuple(plugins.disabled),
         runners=names("runners"),
@@ -189,6 +192,7 @@ def format_info(info: Info) -> str:
         + ("active" if info.native_extension else "not built (pure-Python fallback)"),
         f"  local channel:    {info.local_channel}  (process runner)",
         f"  op hot path:      {info.hot_path}  (controller, plan-cache hits)",
+        f"  worker op path:   {info.worker_path}  (workers, runs of kernel calls)",
         f"  runners:          {listing(info.runners)}",
         f"  communicators:    {listing(info.communicators)}",
         f"  transports:       {listing(info.transports)}",

@@ -39,6 +39,11 @@ def _imported():
     return _module
 
 
+def available() -> bool:
+    """Whether the extension is built and imports (whatever ``DTORCH_NATIVE_WORKER`` says)."""
+    return _imported() is not None
+
+
 def active() -> str:
     """Which per-op path a worker made now uses: "native", or "python (the reason)"."""
     if os.environ.get("DTORCH_NATIVE_WORKER", "1") == "0":
