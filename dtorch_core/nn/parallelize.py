@@ -58,16 +58,17 @@ def matching(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
     if pattern == "":
         return [("", module)]
     found = [("", module)]
-    for token in pattern.split("."):
+    tokens = pattern.split(".")
+    for i, token in enumerate(tokens):
         step = [(f"{path}.{name}" if path else name, child)
                 for path, parent in found for name, child in parent.named_children()
                 if fnmatch.fnmatchcase(name, token)]
         if not step:
             children = sorted({name for _, parent in found for name, _ in parent.named_children()})
-            at = f"children of {found[0][0]!r}" if found[0][0] else "top-level children"
+            within = f"the children of what {'.'.join(tokens[:i])!r} matched" if i else "the top-level children"
             raise PlacementError(
                 f"parallelize plan pattern {pattern!r} matches no sub-module: its part {token!r} matches none of "
-                f"the {at}{' and its matches' if len(found) > 1 else ''} {children[:8]} (a '*' matches one name)"
+                f"{within}, {children[:8]} (a '*' stands for one name)"
             )
         found = step
     return found

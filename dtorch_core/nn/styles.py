@@ -105,6 +105,18 @@ def _map_outputs(out, mesh, layouts, use_local):
     return out
 
 
+def where_given(given, desired):
+    """The desired layouts, except that (as in torch) an input or output whose entry in the
+    given layouts is None is left alone; without given layouts, the desired ones."""
+    if given is None or desired is None:
+        return desired
+    if not isinstance(given, tuple):
+        given = (given,)
+    if not isinstance(desired, tuple):
+        desired = (desired,)
+    return tuple(d if g is not None else None for g, d in zip(given, desired))
+
+
 class ParallelStyle:
     """Base class: ``apply(module, mesh)`` distributes the module's parameters and installs
     hooks that put its inputs and outputs in the style's layouts."""
@@ -205,8 +217,9 @@ class SequenceParallel(ParallelStyle):
 class PrepareModuleInput(ParallelStyle):
     """Redistribute a module's positional inputs to ``desired_input_layouts`` (one per input;
     None leaves an input alone) and its keyword inputs to ``desired_input_kwarg_layouts``
-    (``{name: placement}``). ``input_layouts`` and ``input_kwarg_layouts`` are accepted for torch
-    compatibility: on a single controller a tensor's layout is known already."""
+    (``{name: placement}``). On a single controller a tensor's layout is known already, so
+    ``input_layouts`` and ``input_kwarg_layouts`` are optional; where given, as in torch, an input
+    whose entry there is None (or missing) is left alone."""
 
     input_layouts: object = attrs.field(default=None, converter=as_layout)
     desired_input_layouts: object = attrs.field(default=None, converter=as_layout)
@@ -214,7 +227,11 @@ class PrepareModuleInput(ParallelStyle):
     desired_input_kwarg_layouts: dict | None = attrs.field(default=None, converter=_kwarg_layouts)
 
     def apply(self, module, mesh):
-        self._hooks(module, mesh, self.desired_input_layouts, None, kwarg_layouts=self.desired_input_kwarg_layouts)
+        kwargs = self.desired_input_kwarg_layouts
+        if kwargs and self.input_kwarg_layouts is not None:
+            kwargs = {k: d for k, d in kwargs.items() if self.input_kwarg_layouts.get(k) is not None}
+        self._hooks(module, mesh, where_given(self.input_layouts, self.desired_input_layouts), None,
+                    kwarg_layouts=kwargs)
         return module
 
 
@@ -228,7 +245,8 @@ class PrepareModuleOutput(ParallelStyle):
     use_local_output: bool = False
 
     def apply(self, module, mesh):
-        self._hooks(module, mesh, None, self.desired_output_layouts, self.use_local_output)
+        self._hooks(module, mesh, None, where_given(self.output_layouts, self.desired_output_layouts),
+                    self.use_local_output)
         return module
 
 

@@ -84,14 +84,6 @@ def _sequence(style) -> SequenceParallel:
     return SequenceParallel(sequence_dim=shard.dim)
 
 
-def _only_where_given(given, desired):
-    """torch leaves an input (output) alone where its ``input_layouts`` (``output_layouts``)
-    entry is None, whatever the desired layout says."""
-    if given is None or desired is None:
-        return None
-    return tuple(d if g is not None else None for g, d in zip(given, desired))
-
-
 def _input_parts(style) -> dict:
     given = _layout(style, "input_layouts", style.input_layouts)
     desired = _layout(style, "desired_input_layouts", style.desired_input_layouts)
@@ -99,16 +91,17 @@ def _input_parts(style) -> dict:
     desired_kw = _kwarg_layouts(style, "desired_input_kwarg_layouts", style.desired_input_kwarg_layouts)
     return {
         "input_layouts": given,
-        "desired_input_layouts": _only_where_given(given, desired),
+        # torch ignores the desired layouts where no input layouts are given
+        "desired_input_layouts": None if given is None else desired,
         "input_kwarg_layouts": given_kw,
-        "desired_input_kwarg_layouts": {k: d for k, d in desired_kw.items() if given_kw.get(k) is not None},
+        "desired_input_kwarg_layouts": desired_kw,
     }
 
 
 def _output_parts(style) -> dict:
     given = _layout(style, "output_layouts", style.output_layouts)
     desired = _layout(style, "desired_output_layouts", style.desired_output_layouts)
-    return {"output_layouts": given, "desired_output_layouts": _only_where_given(given, desired)}
+    return {"output_layouts": given, "desired_output_layouts": desired}
 
 
 def _prepare_input(style) -> PrepareModuleInput:
