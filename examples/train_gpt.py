@@ -26,6 +26,7 @@ The functions are importable (tests/test_train_gpt_example.py and bench/train_gp
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import math
 import os
@@ -256,6 +257,34 @@ def _value(loss) -> float:
     return loss.full_tensor().item() if isinstance(loss, dt.DTensor) else loss.item()
 
 
+class LossReader:
+    """Reads each step's loss ``lag`` steps after the step was issued.
+
+    A read waits for the devices to reach that loss. Reading the newest loss waits for every
+    step issued so far, so the devices run dry and the progress bar stalls for as long as the
+    queued steps take (seconds, every few steps). A loss ``lag`` steps old is (nearly) ready, and
+    the steps after it keep the devices busy meanwhile; reading one every step keeps the
+    controller ``lag`` steps ahead, so the bar moves at the devices' pace.
+    """
+
+    def __init__(self, lag: int, values: list[float] | None = None):
+        self.lag = max(0, lag)
+        self.values = [] if values is None else values  # every loss read, from step 0
+        self._pending: collections.deque = collections.deque()
+
+    def push(self, loss) -> None:
+        """Keep this step's loss handle; read those now ``lag`` steps old."""
+        self._pending.append(loss)
+        while len(self._pending) > self.lag:
+            self.values.append(_value(self._pending.popleft()))
+
+    def drain(self) -> list[float]:
+        """Read every loss still pending (before a checkpoint and at the end)."""
+        while self._pending:
+            self.values.append(_value(self._pending.popleft()))
+        return self.values
+
+
 def _progress(iterable, enabled: bool, **kwargs):
     try:
         from tqdm import tqdm
@@ -334,19 +363,21 @@ def train(args) -> list[float]:
 
         bar = _progress(range(start, args.steps), args.progress, initial=start, total=args.steps,
                         desc="train", unit="step")
-        pending = []  # loss handles not read yet: reading every step would stall the pipeline
+        reader = LossReader(args.loss_lag, losses)
         t0 = time.perf_counter()
         try:
             for step in bar:
                 tokens, targets = get_batch(data, step, args.batch, cfg.seq_len, args.seed)
-                pending.append(step_fn(tokens, targets).detach())
+                known = len(losses)
+                reader.push(step_fn(tokens, targets).detach())
                 last = step + 1 == args.steps
                 save = bool(args.ckpt_every) and ((step + 1) % args.ckpt_every == 0 or last)
-                if save or last or (step + 1) % args.log_every == 0:
-                    losses.extend(_value(v) for v in pending)
-                    pending.clear()
+                if save or last:
+                    reader.drain()
+                if len(losses) > known:  # the newest loss read is step len(losses)'s
                     bar.set_postfix(loss=f"{losses[-1]:.4f}")
-                    log.info("step", step=step + 1, loss=round(losses[-1], 5))
+                    if last or len(losses) // args.log_every > known // args.log_every:
+                        log.info("step", step=len(losses), loss=round(losses[-1], 5))
                 if save:
                     path = Path(args.ckpt_dir) / f"step-{step + 1:06d}"
                     checkpoint_api().save(model, opt, str(path), extra={"step": step + 1, "losses": losses})
@@ -391,37 +422,44 @@ def plot_losses(losses: list[float], path: str | os.PathLike, title: str = "") -
 # command line
 # ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--dp", type=int, default=2, help="data-parallel size (mesh dim 'dp')")
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (mesh dim 'tp')")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dp", type=int, default=2, help="data-parallel size (mesh dim 'dp'; default %(default)s)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (mesh dim 'tp'; default %(default)s)")
     p.add_argument("--device-count", type=int, default=None,
                    help="devices (default dp x tp); 1 trains on plain torch in this process (the reference)")
     p.add_argument("--runner", default=None,
                    help="dtorch runner: inline, thread, process, ... (default $DTORCH_RUNNER or thread)")
     p.add_argument("--device-type", default=None,
                    help="device type of the workers: cpu, or cuda with the dtorch_nccl plugin (default cpu)")
-    p.add_argument("--steps", type=int, default=300, help="train until this step (a resumed run continues to it)")
-    p.add_argument("--batch", type=int, default=16, help="sequences per step (split over dp)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--seed", type=int, default=0, help="initial weights and data order")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=300,
+                   help="train until this step; a resumed run continues to it (default %(default)s)")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step, split over dp (default %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="initial weights and data order (default %(default)s)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default %(default)s)")
+    p.add_argument("--d-model", type=int, default=128, help="model width (default %(default)s)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default %(default)s)")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks (default %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="capture the training step once and replay it (dt.compile, with dtorch's AdamW)")
-    p.add_argument("--data", default=str(DATA), help="training text (read as bytes)")
-    p.add_argument("--ckpt-dir", default="checkpoints/train_gpt", help="where step-N checkpoints go")
+    p.add_argument("--data", default=str(DATA), help="training text, read as bytes (default: the shipped corpus)")
+    p.add_argument("--ckpt-dir", default="checkpoints/train_gpt",
+                   help="where step-N checkpoints go (default %(default)s)")
     p.add_argument("--ckpt-every", type=int, default=0, metavar="N",
-                   help="save a checkpoint every N steps and at the end (0: never)")
+                   help="save a checkpoint every N steps and at the end (default 0: never)")
     p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="continue from a checkpoint: the latest in --ckpt-dir, or PATH")
-    p.add_argument("--plot", default="loss.png", help="PNG of the loss curve, written at the end ('' for none)")
-    p.add_argument("--log-every", type=int, default=10, metavar="N",
-                   help="read and log the loss every N steps (every read waits for the devices)")
-    p.add_argument("--log-level", default="info", help="structlog level (debug shows dtorch's own records)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no tqdm progress bar")
+    p.add_argument("--plot", default="loss.png",
+                   help="PNG of the loss curve, written at the end; '' for none (default %(default)s)")
+    p.add_argument("--log-every", type=int, default=10, metavar="N", help="log the loss every N steps (default %(default)s)")
+    p.add_argument("--loss-lag", type=int, default=2, metavar="K",
+                   help="read each step's loss K steps after issuing it, so that a read never waits for the "
+                        "steps queued behind it and the progress bar keeps moving; 0 reads it at once, "
+                        "letting the devices run dry every step (default %(default)s)")
+    p.add_argument("--log-level", default="info",
+                   help="structlog level; debug shows dtorch's own records (default %(default)s)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="show a tqdm progress bar (default: shown)")
     return p
 
 

@@ -1,5 +1,6 @@
 """examples/train_gpt.py: the dp x tp training loop matches its single-device run, writes its
-loss plot, and resumes from a checkpoint as if never interrupted."""
+loss plot, and resumes from a checkpoint as if never interrupted; it reads losses a few steps
+late (so the progress bar keeps moving) and its --help says true defaults."""
 
 from __future__ import annotations
 
@@ -108,3 +109,59 @@ def test_compiled_steps_match_single_device_and_resume(runner, reference, tmp_pa
                                     "--ckpt-dir", str(tmp_path / "other"), "--plot", ""))
     assert resumed == pytest.approx(full, rel=1e-5)
     assert dt.fallback_counts() == {}
+
+
+class _FakeLoss:
+    """A loss handle that records how many steps had been issued when it was read."""
+
+    issued = 0
+
+    def __init__(self, value):
+        self.value = value
+        self.read_after = None
+
+    def item(self):
+        self.read_after = _FakeLoss.issued
+        return self.value
+
+
+def test_loss_reader_reads_each_loss_lag_steps_late_and_drains():
+    reader = train_gpt.LossReader(2, [9.0])  # a resumed run's earlier losses come first
+    handles = []
+    for step in range(5):
+        _FakeLoss.issued = step + 1
+        handles.append(_FakeLoss(float(step)))
+        reader.push(handles[-1])
+        # every step reads one loss, the one issued two steps before: never the newest
+        assert reader.values == [9.0] + [float(s) for s in range(max(0, step - 1))]
+    assert [h.read_after for h in handles] == [3, 4, 5, None, None]
+    assert reader.drain() == [9.0, 0.0, 1.0, 2.0, 3.0, 4.0]
+    assert [h.read_after for h in handles[3:]] == [5, 5]
+    eager = train_gpt.LossReader(0)
+    eager.push(_FakeLoss(1.5))
+    assert eager.values == [1.5]
+
+
+def test_training_reads_one_lagged_loss_per_step(monkeypatch):
+    """In a real run (plain torch, one device) the loop reads a loss every step, two steps late,
+    instead of every --log-every steps all at once (which waited for all queued work)."""
+    issued, reads = [0], []
+    real_batch, real_value = train_gpt.get_batch, train_gpt._value
+
+    def counting_batch(*args, **kwargs):
+        issued[0] += 1
+        return real_batch(*args, **kwargs)
+
+    monkeypatch.setattr(train_gpt, "get_batch", counting_batch)
+    monkeypatch.setattr(train_gpt, "_value", lambda loss: reads.append(issued[0]) or real_value(loss))
+    losses = train_gpt.train(_args("--steps", "5", "--device-count", "1", "--plot", "", "--log-every", "10"))
+    assert len(losses) == 5
+    assert reads == [3, 4, 5, 5, 5]  # losses of steps 1, 2, 3 read after steps 3, 4, 5; the rest at the end
+
+
+def test_help_states_true_defaults():
+    text = train_gpt.build_parser().format_help()
+    assert "--progress, --no-progress" in text and "(default: True)" not in text
+    for line in text.split("\n  --")[1:]:  # one entry per option
+        assert line.count("default") <= 1, line
+    assert train_gpt.parse_args([]).progress and not train_gpt.parse_args(["--no-progress"]).progress
