@@ -49,7 +49,7 @@ def shape_for(size: int, dtype: torch.dtype, world: int) -> tuple[int, int]:
     """The global (rows, cols) of ``size`` bytes; rows and cols divide by ``world``."""
     elems = size // torch.empty((), dtype=dtype).element_size()
     cols = COLS
-    while cols > world and elems % cols:
+    while cols > world and (elems % cols or (elems // cols) % world):  # small sizes: fewer columns
         cols //= 2
     rows = elems // cols
     if rows * cols * torch.empty((), dtype=dtype).element_size() != size or rows % world or cols % world:

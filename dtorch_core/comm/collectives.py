@@ -16,20 +16,58 @@ def chunk_of(t: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
     return t.narrow(dim, ext.offset, ext.length)
 
 
-def reduce_all(values, op: str) -> torch.Tensor:
-    acc = values[0].clone()
-    for v in values[1:]:
-        if op in ("sum", "avg"):
-            acc.add_(v)
-        elif op == "max":
-            torch.maximum(acc, v, out=acc)
-        elif op == "min":
-            torch.minimum(acc, v, out=acc)
-        else:
-            raise ValueError(f"unknown reduce op {op!r}")
+def reduce_all(values, op: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The reduction of ``values`` in group order. ``out``: where to build it instead of a new
+    tensor (a consumed source): ``values[0]``, ``values[1]`` (read only by the first step), or
+    a tensor that aliases none of them."""
+    if out is None:
+        acc, rest = values[0].clone(), values[1:]
+    elif out is values[0]:
+        acc, rest = out, values[1:]
+    elif len(values) == 1:
+        acc, rest = out.copy_(values[0]), ()
+    else:
+        acc, rest = _combine_two(values[0], values[1], op, out), values[2:]
+    for v in rest:
+        _combine_two(acc, v, op, acc)
     if op == "avg":
         acc.div_(len(values))
     return acc
+
+
+def _combine_two(a, b, op: str, out) -> torch.Tensor:
+    if op in ("sum", "avg"):
+        return torch.add(a, b, out=out)
+    if op == "max":
+        return torch.maximum(a, b, out=out)
+    if op == "min":
+        return torch.minimum(a, b, out=out)
+    raise ValueError(f"unknown reduce op {op!r}")
+
+
+def _accumulator(values, owned) -> torch.Tensor | None:
+    """A member's consumed source to reduce into, where group order allows (see reduce_all)."""
+    for i in range(min(2, len(owned))):
+        if owned[i]:
+            return values[i]
+    return None
+
+
+def _spread(total: torch.Tensor, values, owned) -> list:
+    """Every member's own tensor holding ``total``: a member whose source is consumed gets it
+    back (as ``total`` itself or a copy into it), one other member ``total``, the rest clones."""
+    results = [total if v is total else None for v in values]
+    given = any(r is not None for r in results)
+    for i, r in enumerate(results):
+        if r is not None:
+            continue
+        if owned and owned[i]:
+            results[i] = values[i].copy_(total)
+        elif not given:
+            results[i], given = total, True
+        else:
+            results[i] = total.clone()
+    return results
 
 
 def local_step(kind: str, x: torch.Tensor, index: int, size: int, dim: int, reduce_op: str) -> torch.Tensor:
@@ -45,10 +83,13 @@ def local_step(kind: str, x: torch.Tensor, index: int, size: int, dim: int, redu
     raise ValueError(kind)
 
 
-def combine_all(kind: str, values: list, dim: int, reduce_op: str, dim2: int, offset: int = 0) -> list:
+def combine_all(kind: str, values: list, dim: int, reduce_op: str, dim2: int, offset: int = 0,
+                owned=()) -> list:
     """Every group member's result of a communicating step, from all contributions.
 
-    Each member gets its own tensor (members may later change theirs in place).
+    Each member gets its own tensor (members may later change theirs in place). ``owned[i]``:
+    member i's contribution dies with the step and nothing else holds its memory, so its result
+    may be built in it (all-reduce).
     """
     k = len(values)
     if kind == "shift":
@@ -57,28 +98,33 @@ def combine_all(kind: str, values: list, dim: int, reduce_op: str, dim2: int, of
         full = torch.cat(values, dim=dim)
         return [full] + [full.clone() for _ in range(k - 1)]
     if kind == "all_reduce":
-        total = reduce_all(values, reduce_op)
-        return [total] + [total.clone() for _ in range(k - 1)]
+        return _spread(reduce_all(values, reduce_op, _accumulator(values, owned)), values, owned)
     if kind == "reduce_scatter":
-        total = reduce_all(values, reduce_op)
-        return [chunk_of(total, dim, k, i).clone() for i in range(k)]
+        # each member's chunk reduced alone: the same bits as chunks of the whole reduction
+        return [_reduce_chunk(values, reduce_op, dim, i) for i in range(k)]
     if kind == "all_to_all":
         # member j holds shard j along ``dim`` of the whole; member i gets chunk i along dim2
         return [torch.cat([chunk_of(v, dim2, k, i) for v in values], dim=dim) for i in range(k)]
     raise ValueError(kind)
 
 
+def _reduce_chunk(values, op: str, dim: int, index: int) -> torch.Tensor:
+    return reduce_all([chunk_of(v, dim, len(values), index) for v in values], op)
+
+
 def combine_one(kind: str, values: list, dim: int, reduce_op: str, dim2: int, index: int,
-                offset: int = 0) -> torch.Tensor:
-    """Member ``index``'s result of a communicating step (the values of :func:`combine_all`)."""
+                offset: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Member ``index``'s result of a communicating step (the values of :func:`combine_all`).
+    ``out``: member ``index``'s consumed source, aliasing none of ``values`` (all-reduce builds
+    its result there)."""
     if kind == "shift":
         return values[(index + offset) % len(values)].clone()
     if kind == "all_gather":
         return torch.cat(values, dim=dim)
     if kind == "all_reduce":
-        return reduce_all(values, reduce_op)
+        return reduce_all(values, reduce_op, out)
     if kind == "reduce_scatter":
-        return chunk_of(reduce_all(values, reduce_op), dim, len(values), index).clone()
+        return _reduce_chunk(values, reduce_op, dim, index)
     if kind == "all_to_all":
         return torch.cat([chunk_of(v, dim2, len(values), index) for v in values], dim=dim)
     raise ValueError(kind)

@@ -81,16 +81,17 @@ class DistExchange:
         where = self.positions[ins.mesh_id]
         shapes = [tuple(ins.shapes[where[m]]) for m in members]
         failure = value if type(value) is WorkerFailure else None
+        owned = getattr(compute, "owned", False) and failure is None  # the result may be built in ``value``
         if failure is not None:
             value = torch.zeros(shapes[index], dtype=ins.dtype, device=self.device)
         if ins.kind == "shift":
             result, peers_failed = _shift(members, group, index, shapes, ins.offset, value, failure is not None)
         elif self.native and ins.dtype in _NATIVE_DTYPES:
-            result = _NATIVE[ins.kind](ins, group, index, shapes, value)
+            result = _NATIVE[ins.kind](ins, group, index, shapes, value, owned)
             peers_failed = None  # no flags travel with a native collective
         else:
             values, peers_failed = _all_gather_padded(group, index, shapes, value, self.device, failure is not None)
-            result = None if peers_failed else compute.one(values, index)
+            result = None if peers_failed else compute.one(values, index, value if owned else None)
         if failure is not None:
             if peers_failed is None:
                 self._poison(failure, ins.kind)
@@ -150,7 +151,8 @@ def _shift(members, group, index, shapes, offset, value, failed: bool) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------
-# native collectives: each returns this member's result as a tensor of its own
+# native collectives: each returns this member's result as a tensor of its own (``owned``: it
+# may be built in ``value``, which dies with the step)
 # ---------------------------------------------------------------------------------------------
 def _reduce(ins, tensor, group, collective, *args) -> None:
     op = ins.reduce_op
@@ -162,13 +164,14 @@ def _reduce(ins, tensor, group, collective, *args) -> None:
         tensor.div_(dist.get_world_size(group))
 
 
-def _native_all_reduce(ins, group, index, shapes, value):
-    out = value.clone(memory_format=torch.contiguous_format)
+def _native_all_reduce(ins, group, index, shapes, value, owned):
+    # in place where the source dies with the step; otherwise into a copy (the source lives on)
+    out = value if owned and value.is_contiguous() else value.clone(memory_format=torch.contiguous_format)
     _reduce(ins, out, group, dist.all_reduce, out)
     return out
 
 
-def _native_all_gather(ins, group, index, shapes, value):
+def _native_all_gather(ins, group, index, shapes, value, owned):
     k, dim = len(shapes), ins.dim
     lengths = [s[dim] for s in shapes]
     rows = max(lengths)
@@ -185,7 +188,7 @@ def _native_all_gather(ins, group, index, shapes, value):
     return out.movedim(0, dim).contiguous() if dim else out
 
 
-def _native_reduce_scatter(ins, group, index, shapes, value):
+def _native_reduce_scatter(ins, group, index, shapes, value, owned):
     k, dim = len(shapes), ins.dim
     n = value.shape[dim]
     rows = chunk_extent(n, k, 0).length
@@ -201,7 +204,7 @@ def _native_reduce_scatter(ins, group, index, shapes, value):
     return out.movedim(0, dim).contiguous() if dim else out.contiguous()
 
 
-def _native_all_to_all(ins, group, index, shapes, value):
+def _native_all_to_all(ins, group, index, shapes, value, owned):
     # member j holds shard j along ``dim`` (lengths from shapes) and all of ``dim2``; member i
     # gets chunk i along dim2 of every shard, joined along dim
     k, dim, dim2 = len(shapes), ins.dim, ins.dim2

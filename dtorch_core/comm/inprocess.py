@@ -12,9 +12,18 @@ from .exchange import PENDING
 @attrs.define
 class _Slot:
     values: list
+    owned: list  # per member: whether its contribution may become its result (``compute.owned``)
     arrived: int = 0
     left: int = 0
     results: list | None = None
+
+
+def _compute(compute, slot: _Slot) -> list:
+    """Every member's result; a compute with an ``owned`` attribute (the worker's CollectiveStep)
+    also learns which members' contributions die with the step, to build results in them."""
+    if True in slot.owned and hasattr(compute, "owned"):
+        return compute(slot.values, slot.owned)
+    return compute(slot.values)
 
 
 @attrs.define
@@ -38,12 +47,13 @@ class InProcessExchange:
         with self._cond:
             slot = self._slots.get(key)
             if slot is None:
-                slot = self._slots[key] = _Slot([None] * size)
+                slot = self._slots[key] = _Slot([None] * size, [False] * size)
             slot.values[index] = value
+            slot.owned[index] = getattr(compute, "owned", False)
             slot.arrived += 1
             last = slot.arrived == size
         if last:
-            results = compute(slot.values)
+            results = _compute(compute, slot)
             with self._cond:
                 slot.results = results
                 slot.values = None
@@ -87,15 +97,16 @@ class LockstepExchange:
     def exchange(self, key, index: int, size: int, value, compute):
         slot = self._slots.get(key)
         if slot is None:
-            slot = self._slots[key] = _Slot([None] * size)
+            slot = self._slots[key] = _Slot([None] * size, [False] * size)
         slot.values[index] = value
+        slot.owned[index] = getattr(compute, "owned", False)
         slot.arrived += 1
         return PENDING
 
     def collect(self, key, index: int, compute):
         slot = self._slots[key]
         if slot.results is None:
-            slot.results = compute(slot.values)
+            slot.results = _compute(compute, slot)
         slot.left += 1
         if slot.left == len(slot.results):
             del self._slots[key]

@@ -16,7 +16,7 @@ import torch
 from ..errors import CaptureError, NotInitializedError, WorkerError
 from ..ir.instructions import DefineMesh, DefineProgram, Delete, DropProgram, Fetch, Put, RunProgram, Stats, program_seed
 from ..ir.program import Program, Recording
-from ..planner.emit import note_comm
+from ..planner.emit import mark_consumed, note_comm
 from ..planner.source import format_source, user_source
 
 log = structlog.get_logger(__name__)
@@ -126,6 +126,7 @@ class Session:
         self.pure_plans: set = set()  # plan ids whose calls write only their fresh outputs
         self.collective_hints = getattr(runner, "collective_hints", False)
         self.view_writes = 0  # in-place writes through views so far (they invalidate moved copies)
+        self.consumable = 0  # collectives emitted since the last flush whose source may die first
         self.fallback_counts: collections.Counter = collections.Counter()
         self.comm_counters: list = []  # objects with record(CommEvent): dt.debug.comm_mode, recordings
         self.closed = False
@@ -233,6 +234,10 @@ class Session:
         # in the pending instructions drained next, ahead of the Delete
         freed = self._drain(self._releases)
         batch = self._drain(self._pending)
+        if self.consumable:
+            self.consumable = 0
+            if freed:
+                batch = mark_consumed(batch, freed)  # sources freed before they left: reused in place
         if freed:
             batch.append(Delete(tuple(freed)))
         if batch:

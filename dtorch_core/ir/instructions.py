@@ -82,6 +82,10 @@ class Collective:
     shapes: tuple = ()
     dtype: Any = None
     offset: int = 0  # shift: which member each member receives from (its index + offset)
+    # the source dies with this step (the controller frees ``src`` after it and no other id it
+    # handed out names the same memory): a worker may build the result in the source's buffer
+    # instead of a copy, where it finds no other holder of that memory itself
+    consume: bool = False
 
 
 @attrs.frozen

@@ -8,6 +8,14 @@ source failed must still group a merged all-reduce's sources by dtype as its pee
 
 Every collective that moves data is also reported to the session's comm counters
 (``dt.debug.comm_mode``) as a :class:`CommEvent`.
+
+A step whose source dies with it is marked ``consume``, so workers may build its result in the
+source's buffer (an all-reduce in place) instead of a copy (they check that nothing of their own
+shares that memory: a view, an alias). Two cases: every step after the first of a plan, whose
+source is the previous step's fresh result that nothing else names; and a step whose source's
+handle the controller frees before the step leaves, with nothing after it in the batch reading
+the source (:func:`mark_consumed`, at the session's flush: only then is it known, e.g. the
+Partial output of an op that is redistributed at once and dropped).
 """
 
 from __future__ import annotations
@@ -16,7 +24,23 @@ import math
 
 import attrs
 
-from ..ir.instructions import COMMUNICATING_KINDS, Collective, merge_hints
+from ..ir.instructions import (
+    COMMUNICATING_KINDS,
+    Call,
+    Collective,
+    Constant,
+    DefineMesh,
+    DefinePlan,
+    DefineProgram,
+    Delete,
+    DropProgram,
+    Fetch,
+    MergedAllReduce,
+    Put,
+    RunProgram,
+    Stats,
+    merge_hints,
+)
 from ..spec import local_shapes
 
 
@@ -39,11 +63,20 @@ def note_comm(session, event: CommEvent) -> None:
         counter.record(event)
 
 
+# kinds whose result is a tensor of its own on every worker (alias and to_partial may hand the
+# source itself on)
+_FRESH_KINDS = COMMUNICATING_KINDS | {"local_chunk"}
+
+
 def emit_steps(session, mesh_id: int, tid: int, steps, spec, op_name: str = "") -> list:
     """Emit the Collectives of redistribution ``steps`` from tensor ``tid`` (of ``spec``, or
-    None for a replicated plain tensor); the ids made, the last one holding the result."""
+    None for a replicated plain tensor); the ids made, the last one holding the result. Every id
+    made but the last must be freed by the caller, unused."""
     made = []
     placements = spec.placements if spec is not None else None
+    consume = False
+    if steps and steps[0].kind in COMMUNICATING_KINDS:
+        session.consumable += 1  # the source may be freed before the flush (mark_consumed)
     for step in steps:
         new = session.new_tid()
         shapes, dtype = (), None
@@ -55,11 +88,42 @@ def emit_steps(session, mesh_id: int, tid: int, steps, spec, op_name: str = "") 
                 note_comm(session, CommEvent(step.kind, op_name, math.prod(spec.shape) * spec.dtype.itemsize,
                                              placements, step.placements, step.mesh_dim))
         session.emit(Collective(step.kind, mesh_id, step.mesh_dim, tid, new, step.dim, step.reduce_op, step.dim2,
-                                shapes, dtype))
+                                shapes, dtype, consume=consume))
         made.append(new)
         tid = new
         placements = step.placements
+        consume = step.kind in _FRESH_KINDS
     return made
+
+
+# what reads no tensor id of an earlier instruction (mark_consumed); Constant only in programs
+_READS_NOTHING = frozenset({DefineMesh, DefinePlan, Put, Constant, Delete, Stats, DefineProgram, DropProgram})
+
+
+def mark_consumed(batch: list, freed) -> list:
+    """``batch`` (about to leave, followed by the Delete of ``freed``) with ``consume`` set on
+    every communicating Collective whose source is in ``freed`` and read by nothing after it."""
+    dead = set(freed)
+    read_later: set = set()
+    for i in range(len(batch) - 1, -1, -1):
+        ins = batch[i]
+        t = type(ins)
+        if t is Collective:
+            src = ins.src
+            if src in dead and src not in read_later and not ins.consume and ins.kind in COMMUNICATING_KINDS:
+                batch[i] = attrs.evolve(ins, consume=True)
+            read_later.add(src)
+        elif t is Call:
+            read_later.update(ins.inputs)
+        elif t is MergedAllReduce:
+            read_later.update(ins.srcs)
+        elif t is Fetch:
+            read_later.add(ins.tid)
+        elif t is RunProgram:
+            read_later.update(ins.inputs)
+        elif t not in _READS_NOTHING:
+            break  # an instruction this does not know: what it reads is unknown, mark nothing before it
+    return batch
 
 
 def emit_shift(session, mesh_id: int, tid: int, spec, mesh_dim: int, offset: int, op_name: str = "") -> int:

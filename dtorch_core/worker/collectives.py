@@ -5,12 +5,17 @@ A communicating step (COMMUNICATING_KINDS) hands this rank's contribution to the
 computes every member's result; a lockstep communicator answers PENDING and the results are
 collected in :meth:`WorkerCollectives.finish_pending` once every rank has contributed. Steps
 that need no peers (``alias``, ``local_chunk``, ``to_partial``, groups of one) run locally.
+
+A step the controller marks ``consume`` (its source dies with it) builds its result in the
+source's buffer instead of a copy, where this worker finds nothing else holding that memory
+(:func:`sole_holder`): an all-reduce reduces into it, a group of one keeps it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import sys
 
 import attrs
 import torch
@@ -29,25 +34,42 @@ class CollectiveStep:
 
     ins: Collective
     rank: int
+    owned: bool = False  # this member's contribution dies with the step: its result may be built in it
 
-    def __call__(self, values: list) -> list:
+    def __call__(self, values: list, owned=()) -> list:
+        """``owned``: per member, ``owned`` of its step (in-process communicators collect them)."""
         for v in values:
             if type(v) is WorkerFailure:
                 return [v] * len(values)
         ins = self.ins
         try:
-            return combine_all(ins.kind, values, ins.dim, ins.reduce_op, ins.dim2, ins.offset)
+            return combine_all(ins.kind, values, ins.dim, ins.reduce_op, ins.dim2, ins.offset, owned)
         except Exception as exc:
             failure = WorkerFailure(self.rank, f"collective {ins.kind}", None, f"{type(exc).__name__}: {exc}")
             return [failure] * len(values)
 
-    def one(self, values: list, index: int):
-        """Member ``index``'s result alone (communicators where each member computes its own)."""
+    def one(self, values: list, index: int, out=None):
+        """Member ``index``'s result alone (communicators where each member computes its own);
+        ``out``: its consumed contribution, aliasing none of ``values``."""
         ins = self.ins
         try:
-            return combine_one(ins.kind, values, ins.dim, ins.reduce_op, ins.dim2, index, ins.offset)
+            return combine_one(ins.kind, values, ins.dim, ins.reduce_op, ins.dim2, index, ins.offset, out)
         except Exception as exc:
             return WorkerFailure(self.rank, f"collective {ins.kind}", None, f"{type(exc).__name__}: {exc}")
+
+
+# the references to a stored tensor while sole_holder looks at it: the store's entry, the
+# caller's variable, sole_holder's argument and getrefcount's own
+_STORED_REFS = 4
+_storage_use_count = torch._C._storage_Use_Count
+
+
+def sole_holder(x) -> bool:
+    """Whether the store's entry is all that holds ``x``'s memory on this worker: no other id (an
+    alias), view, program constant or in-process caller's tensor shares it. Its storage object
+    counts once more while asked."""
+    return (sys.getrefcount(x) <= _STORED_REFS and x._use_count() == 1
+            and _storage_use_count(x.untyped_storage()._cdata) == 2)
 
 
 class WorkerCollectives:
@@ -62,12 +84,13 @@ class WorkerCollectives:
         if view is None:
             return
         x = self._lookup(ins.src)
+        owned = ins.consume and type(x) is not WorkerFailure and sole_holder(x)
         gi, index, size = view.groups[ins.mesh_dim]
         if size == 1 and ins.kind in COMMUNICATING_KINDS:
-            # a group of one: every communicating kind returns the contribution (as a new tensor)
+            # a group of one: every communicating kind returns the contribution (a tensor of its own)
             if self.streams.outstanding and type(x) is not WorkerFailure:
                 self.streams.join_reads((x,))
-            self.store[ins.dst] = x if type(x) is WorkerFailure else x.clone()
+            self.store[ins.dst] = x if type(x) is WorkerFailure or owned else x.clone()
             return
         if ins.kind not in COMMUNICATING_KINDS:
             if type(x) is WorkerFailure:
@@ -77,16 +100,17 @@ class WorkerCollectives:
                 self.streams.join_reads((x,))
             self.store[ins.dst] = local_step(ins.kind, x, index, size, ins.dim, ins.reduce_op)
             return
-        self._communicate(ins, gi, index, size, x, functools.partial(self.store.__setitem__, ins.dst))
+        self._communicate(ins, gi, index, size, x, functools.partial(self.store.__setitem__, ins.dst), owned)
 
-    def _communicate(self, ins, gi: int, index: int, size: int, x, done) -> None:
+    def _communicate(self, ins, gi: int, index: int, size: int, x, done, owned: bool = False) -> None:
         """Run ``ins`` (a communicating step) with contribution ``x``; ``done(result)`` stores it
-        now, or once the peers have contributed (lockstep runners)."""
+        now, or once the peers have contributed (lockstep runners). ``owned``: the result may be
+        built in ``x``."""
         group_key = (ins.mesh_id, ins.mesh_dim, gi)
         seq = self.seq.get(group_key, 0)
         self.seq[group_key] = seq + 1
         key = group_key + (seq,)
-        compute = CollectiveStep(ins, self.rank)
+        compute = CollectiveStep(ins, self.rank, owned)
         result = self.streams.communicate(functools.partial(self.exchange.exchange, key, index, size, x, compute), x)
         if result is PENDING:
             self.pending.append((key, index, compute, done))

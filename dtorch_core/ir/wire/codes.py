@@ -17,8 +17,8 @@ import torch
 from .. import instructions as _ins
 
 MAGIC = b"DW"
-VERSION = 5  # 2: DefineProgram.fusable; 3: Collective/MergedAllReduce shapes and dtypes; 4: Collective.offset;
-# 5: DefineProgram.constants and Constant
+VERSION = 6  # 2: DefineProgram.fusable; 3: Collective/MergedAllReduce shapes and dtypes; 4: Collective.offset;
+# 5: DefineProgram.constants and Constant; 6: Collective.consume
 KIND_VALUE = 0  # any supported value (control messages)
 KIND_BATCH = 1  # a list of instructions
 KIND_REPLY = 2  # a Reply
