@@ -31,7 +31,13 @@ from .planner.moves import (
 from .plugins import get_plugins
 from .redistribute import same_local_regions
 from .spec import TensorSpec, contiguous_stride, shard_region
-from .tensor import DTensor, TensorMethods, root_placements, view_for
+from .tensor import (
+    DTensor,
+    TensorMethods,
+    refuse_inside_torch_compile,
+    root_placements,
+    view_for,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -174,6 +180,7 @@ def meta_as_uninitialised():
 
 def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements=None) -> DTensor:
     """Split ``tensor`` (held by the controller) onto the mesh; uneven shards follow torch.chunk."""
+    refuse_inside_torch_compile()
     session = current_session()
     refuse_torch_mesh(device_mesh, "distribute_tensor")
     if isinstance(tensor, DTensor):
@@ -216,6 +223,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh, placements=
 def from_local(local, device_mesh: DeviceMesh, placements, *, shape=None) -> DTensor:
     """Build a DTensor from local shards: a dict/list of one tensor per rank, or one tensor used
     as every rank's local shard. ``shape`` defaults to the shards laid out as torch.chunk does."""
+    refuse_inside_torch_compile()
     session = current_session()
     root = device_mesh.root
     if isinstance(local, torch.Tensor):
@@ -254,6 +262,7 @@ def from_local(local, device_mesh: DeviceMesh, placements, *, shape=None) -> DTe
 
 
 def _factory(kind, shape, device_mesh, placements, dtype, fill=None, requires_grad=False):
+    refuse_inside_torch_compile()
     if isinstance(shape, int):
         shape = (shape,)
     return factory(current_session(), kind, tuple(int(s) for s in shape), device_mesh, placements, dtype, fill,

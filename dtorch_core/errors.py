@@ -113,3 +113,34 @@ class CheckpointCorruptError(CheckpointError):
 class ConfigError(DTorchError, ValueError):
     """A setting (an argument of ``dt.init``, an environment variable, a command-line option)
     has a value it cannot take; the message names the setting and the values it accepts."""
+
+
+class TorchCompileError(DTorchError, TypeError):
+    """``torch.compile`` met a DTensor (an input, a parameter, a global) or a dtorch call that
+    makes one (``distribute_tensor``, ``from_local``, a factory). Its tracer cannot see through a
+    DTensor, which holds no data on the controller; ``dt.compile`` is the compiler for
+    distributed steps: it captures one call on the workers and replays it as one message."""
+
+
+_TORCH_COMPILE_REFUSAL: list = []
+
+TORCH_COMPILE_ADVICE = (
+    "torch.compile cannot trace dtorch ({what}): a DTensor holds no data on the controller, and "
+    "its ops are sent to the workers, not traced into a graph. Use dt.compile(fn) instead: it "
+    "captures one call of the step on the workers and replays it as one message per call "
+    "(dt.compile(fn, fuse_local=True) also runs torch.compile on each worker's local segments). "
+    "Or call the function without torch.compile")
+
+
+def torch_compile_refusal(tensor) -> TorchCompileError:
+    """The :class:`TorchCompileError` to raise from inside torch.compile's tracer: an instance of
+    a subclass that is also dynamo's ``TorchRuntimeError``, which dynamo passes on unchanged (it
+    wraps any other exception of its tracer in ``InternalTorchDynamoError``, which the user could
+    not catch as a dtorch error). Built on first use: torch._dynamo is imported by then."""
+    if not _TORCH_COMPILE_REFUSAL:
+        from torch._dynamo.exc import TorchRuntimeError
+
+        _TORCH_COMPILE_REFUSAL.append(type("TorchCompileError", (TorchCompileError, TorchRuntimeError),
+                                           {"__module__": __name__, "__doc__": TorchCompileError.__doc__}))
+    what = f"it met a DTensor of shape {tuple(tensor.shape)}, placements {tensor.placements}"
+    return _TORCH_COMPILE_REFUSAL[0](TORCH_COMPILE_ADVICE.format(what=what))

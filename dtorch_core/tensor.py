@@ -6,8 +6,15 @@ from typing import Callable
 
 import attrs
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
+from torch._guards import TracingContext
 
-from .errors import DTorchError
+from .errors import (
+    TORCH_COMPILE_ADVICE,
+    DTorchError,
+    TorchCompileError,
+    torch_compile_refusal,
+)
 from .mesh import DeviceMesh
 from .placement import Partial, Replicate, Shard, normalize_placements
 from .spec import _CANONICAL_SPECS, TensorSpec, canonical_spec
@@ -147,6 +154,39 @@ class DTensor(torch.Tensor):
         """Every rank's local shard, keyed by rank (a sync point)."""
         return _methods.local_shards(self)
 
+    # -- reads: the full value on the controller, as torch gives it for a plain tensor --------
+    # (``item()``, ``bool``/``int``/``float``/``complex`` and ``__index__`` reach the dispatcher
+    # as aten ops that read; these torch refuses for any subclass before dispatch)
+    def _read(self) -> torch.Tensor:
+        with torch.no_grad():
+            return _methods.full_tensor(self)
+
+    def tolist(self):
+        """The values as (nested) Python numbers: a read (waits for the workers)."""
+        return self._read().tolist()
+
+    def numpy(self, *, force: bool = False):
+        """A NumPy copy of the full value: a read. Like torch, refuses a tensor that requires grad
+        unless ``force``; unlike torch the array never shares memory with the tensor."""
+        if self.requires_grad and not force:
+            raise RuntimeError("Can't call numpy() on Tensor that requires grad. Use tensor.detach().numpy() instead.")
+        return self._read().numpy()
+
+    def __format__(self, format_spec: str) -> str:
+        if self.dim() == 0:  # torch formats a 0-d tensor as its value (a read here)
+            return self.item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
+    # -- torch.compile ------------------------------------------------------------------------
+    @property
+    def __tensor_flatten__(self):
+        # torch.compile asks this of every tensor subclass it meets while it traces (through
+        # is_traceable_wrapper_subclass); eager code asks it only off the per-op path. A DTensor
+        # has no inner tensors to trace, so tracing refuses here, before anything runs.
+        if _dynamo_tracing():
+            raise torch_compile_refusal(self)
+        raise AttributeError("__tensor_flatten__")
+
     def __deepcopy__(self, memo):
         out = self.detach().clone()
         out.requires_grad_(self.requires_grad)
@@ -162,6 +202,21 @@ class DTensor(torch.Tensor):
     @staticmethod
     def from_local(local, device_mesh: DeviceMesh, placements, *, shape=None) -> "DTensor":
         return _methods.from_local(local, device_mesh, placements, shape=shape)
+
+
+def _dynamo_tracing() -> bool:
+    return TracingContext.try_get() is not None
+
+
+def refuse_inside_torch_compile() -> None:
+    """Raise :class:`TorchCompileError` where a torch.compile'd function reaches dtorch with
+    plain tensors (e.g. a parallelized module's input hook distributing its input), before it
+    meets any DTensor. Tracing breaks its graph here; the call then runs for real with dynamo's
+    frame callback installed, which no eager call has, and raises."""
+    if torch.compiler.is_compiling():
+        torch._dynamo.graph_break(msg=TORCH_COMPILE_ADVICE.format(what="a dtorch call inside the compiled function"))
+    if get_eval_frame_callback() is not None:
+        raise TorchCompileError(TORCH_COMPILE_ADVICE.format(what="a dtorch call inside the compiled function"))
 
 
 def root_placements(mesh: DeviceMesh, placements, ndim: int) -> tuple:
