@@ -6,7 +6,9 @@ DTORCH_NATIVE_WORKER=0)."""
 from __future__ import annotations
 
 import collections
+import importlib
 import os
+import random
 
 import pytest
 import structlog
@@ -15,12 +17,14 @@ import torch
 import dtorch_core as dt
 from dtorch_core.controller import session as session_module
 from dtorch_core.errors import WorkerError
+from dtorch_core.ir import wire
 from dtorch_core.ir.instructions import (
     Call,
     DefineMesh,
     DefinePlan,
     DefineProgram,
     Delete,
+    Fetch,
     Put,
     RunProgram,
     Slot,
@@ -331,3 +335,69 @@ def test_process_runner_python_path_gives_the_same_error(runner, mesh1d, monkeyp
     assert torch.equal(native_result[0], python_result[0])
     assert torch.allclose(native_result[0], torch.sigmoid(a @ a.T), rtol=1e-5, atol=1e-6)
     assert native_result[1] == python_result[1]
+
+
+# -- the decoder's Call records in C++ (ir/wire/decode.py) ---------------------------------------
+_decode_module = importlib.import_module("dtorch_core.ir.wire.decode")
+
+
+def _decoded(data, native_reader):
+    """``wire.decode(data)`` with the native Call reader on or off: the value, or the WireError's text."""
+    saved = _decode_module._read_calls
+    _decode_module._read_calls = native_reader
+    try:
+        return wire.decode(data)
+    except wire.WireError as exc:
+        return f"WireError: {exc}"
+    finally:
+        _decode_module._read_calls = saved
+
+
+def _calls_batch():
+    big = 1 << 40
+    return [
+        Call(1, (1, 2), (3,), ("model.py", 12), None),
+        Call(2, (), (-1, 4), ("model.py", 12), 7),  # the source again: a memo reference
+        Call(big, (big, -big), (5,), ("other.py", 3, None), -(1 << 62)),  # int64 ids and seed
+        Delete((3, 4)),
+        Call(300, tuple(range(200)), (6,), "a source that is a str", 1 << 33),
+        Call(4, (7,), (8,), ("é/ünïcode.py", 40000), None),
+        Call(5, (9,), (10,), ("model.py", 13), None),  # a memo tuple whose str is a reference
+        Fetch(8, 3, (0,), False),
+        Call(6, (-5,), (), None, 0),
+    ]
+
+
+@needs_native
+def test_native_call_reader_decodes_what_python_decodes():
+    reader = _decode_module._read_calls or _decode_module._native_call_reader()
+    assert reader is not None
+    batch = _calls_batch()
+    data = wire.encode(batch)
+    assert _decoded(data, reader) == _decoded(data, None) == batch
+    program = DefineProgram(3, tuple(c for c in batch if type(c) is Call), (1,), (2,))
+    data = wire.encode([program, *batch])
+    assert _decoded(data, reader) == _decoded(data, None) == [program, *batch]
+
+
+@needs_native
+def test_native_call_reader_rejects_what_python_rejects():
+    """Flipped, dropped and inserted bytes in a batch of Calls: both decoders give the same value
+    or the same WireError (message and offset); nothing crashes."""
+    reader = _decode_module._read_calls or _decode_module._native_call_reader()
+    data = wire.encode(_calls_batch())
+    body_len = int.from_bytes(data[4:8], "little")
+    rng = random.Random(0)
+    for trial in range(3000):
+        mutated = bytearray(data)
+        where = rng.randrange(16, len(mutated))
+        kind = trial % 3
+        if kind == 0:
+            mutated[where] = rng.randrange(256)
+        elif kind == 1:
+            del mutated[where]
+            mutated[4:8] = (body_len - 1).to_bytes(4, "little")  # a consistent header: the body is read
+        else:
+            mutated.insert(where, rng.randrange(256))
+            mutated[4:8] = (body_len + 1).to_bytes(4, "little")
+        assert _decoded(bytes(mutated), reader) == _decoded(bytes(mutated), None), (trial, where)

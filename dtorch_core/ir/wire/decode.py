@@ -3,6 +3,7 @@ against the bytes it was given before it allocates anything (see docs/wire-forma
 
 from __future__ import annotations
 
+import os
 import struct
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from .. import instructions as _ins
 from .codes import (
     _CLASS_BY_CODE,
+    _CLASSES,
     _DTYPE_BY_CODE,
     _FLAT_TYPES,
     _FORMAT_BY_CODE,
@@ -36,6 +38,26 @@ _unpack_u16 = struct.Struct("<H").unpack_from
 _unpack_u32 = struct.Struct("<I").unpack_from
 _UNPACK_I32 = [struct.Struct(f"<{n}i").unpack_from for n in range(256)]
 _UNPACK_I64 = [struct.Struct(f"<{n}q").unpack_from for n in range(256)]
+_CALL_TAG = 0xF0 | _CLASSES[_ins.Call].code  # the one-byte object tag of a Call
+
+
+def _native_call_reader():
+    """``dtorch_core._workerpath.read_calls`` (runs of Call records in C++, docs/wire-format.md), or
+    None: not built, or turned off with the rest of the worker's native path (DTORCH_NATIVE_WORKER=0)."""
+    if os.environ.get("DTORCH_NATIVE_WORKER", "1") == "0":
+        return None
+    try:
+        from ... import _workerpath
+    except ImportError:
+        return None
+    _workerpath.configure_calls(_ins.Call)
+    return _workerpath.read_calls
+
+
+# It reads only well-formed Calls in the encoder's forms and stops at anything else, leaving the
+# memo and the container allowance as they were at that record: the Python code below then
+# decodes (or rejects) it, so results and errors do not depend on it.
+_read_calls = _native_call_reader()
 
 
 def decode(data: bytes | bytearray | memoryview):
@@ -114,8 +136,16 @@ def _decode_body(body: bytes, blob: memoryview):
                 v, p = dec(p, d1)
                 add(v)
             return out, p
-        for _ in range(n):
+        read_calls = _read_calls if d1 + 3 < MAX_DEPTH else None
+        done = 0
+        while done < n:
             b = body[p]
+            if b == _CALL_TAG and read_calls is not None:
+                p, room, k = read_calls(body, p, n - done, memo, room, out)
+                if k:
+                    done += k
+                    continue
+            done += 1
             if b < 0x80:
                 add(b)
                 p += 1
