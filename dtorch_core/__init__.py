@@ -17,6 +17,7 @@ from .api import (
     fallback_counts,
     from_local,
     full,
+    gather_counts,
     init,
     init_device_mesh,
     is_initialized,
@@ -47,6 +48,7 @@ from .errors import (
     WorkerLostError,
 )
 from .capture import capture, compile
+from .explain import Explanation, explain
 from .ir.wire import WireError
 from .hookspecs import hookimpl
 from .mesh import DeviceMesh
@@ -80,6 +82,7 @@ __all__ = [
     "WireError",
     "WorkerLostError",
     "DeviceError",
+    "Explanation",
     "arange",
     "device_type",
     "capture",
@@ -89,9 +92,11 @@ __all__ = [
     "distribute_tensor",
     "empty",
     "errors",
+    "explain",
     "fallback_counts",
     "from_local",
     "full",
+    "gather_counts",
     "hookimpl",
     "init",
     "init_device_mesh",

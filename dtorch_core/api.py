@@ -10,6 +10,7 @@ import attrs
 import structlog
 import torch
 
+from . import explain as _explain
 from .controller import session as _session_mod
 from .controller.session import Session, current_session
 from .controller.settings import setting
@@ -71,6 +72,7 @@ def init(world_size: int | None = None, *, runner: str | None = None, device_typ
     session = Session(runner_obj, ops=plugins.registry("ops"), kernels=plugins.registry("kernels"),
                       strict=strict, timeout=timeout)
     _session_mod.set_session(session)
+    _explain.attach_new_session(session)  # a running dt.explain (dtorch run --explain) sees it
     log.debug("session started", runner=runner, world_size=world_size)
     return session
 

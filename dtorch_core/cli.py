@@ -253,6 +253,12 @@ class RunCommand:
                             help="ops without a sharding rule raise instead of running replicated")
         parser.add_argument("--timeout", type=_positive_seconds, metavar="SECONDS",
                             help="how long a read waits for the workers; sets DTORCH_TIMEOUT")
+        parser.add_argument("--explain", action="store_true",
+                            help="write dt.explain's report of the whole script (every op's placements, "
+                                 "every redistribution, by module) to stderr when it ends")
+        parser.add_argument("--explain-file", metavar="FILE",
+                            help="the same report to FILE instead (JSON, from Explanation.to_dict(), "
+                                 "when FILE ends in .json)")
         parser.add_argument("script", help="path of the Python script to run")
         parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
 
@@ -275,7 +281,32 @@ class RunCommand:
         if not os.path.isfile(args.script):
             print(f"dtorch run: no such file: {args.script}", file=sys.stderr)
             return 2
+        if args.explain or args.explain_file:
+            return _run_explained(args.script, list(args.args), args.explain_file)
         return run_script(args.script, list(args.args))
+
+
+def _run_explained(path: str, argv: list[str], target: str | None) -> int:
+    """``run_script`` under ``dt.explain``; the report goes to ``target`` (stderr if None), also
+    when the script fails."""
+    from .explain import Explanation
+
+    explanation = Explanation()
+    with explanation:
+        status = run_script(path, argv)
+    if target is None:
+        sys.stderr.write(str(explanation))
+        return status
+    try:
+        with open(target, "w") as f:
+            if target.endswith(".json"):
+                json.dump(explanation.to_dict(), f, indent=1)
+            else:
+                f.write(str(explanation))
+    except OSError as exc:
+        print(f"dtorch run: cannot write the explanation to {target}: {exc}", file=sys.stderr)
+        return status or 1
+    return status
 
 
 def _positive_int(text: str) -> int:

@@ -41,6 +41,8 @@ from .source import format_source, user_source
 _CALL_IMPL = torch.nn.Module._call_impl.__code__
 _UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
 _logs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # session -> GatherLog
+# called with the GatheringPlan on each of its runs (dt.explain marks the op it explains)
+listeners: list = []
 
 # ops that take parts of a tensor (torch makes them views: no data moves)
 _PART_OPS = ("split", "chunk", "unbind", "narrow", "slice", "select", "tensor_split")
@@ -175,6 +177,8 @@ class GatheringPlan:
     def run(self, session, args, kwargs, inputs):
         log = log_of(session)
         log.counts[self.op] += 1
+        for listener in listeners:
+            listener(self)
         chain = module_chain()
         where = id(chain[0]) if chain else None
         if where not in self._warned_for:

@@ -1,0 +1,266 @@
+"""dt.explain (placements and redistributions per op, by module), `dtorch run --explain`, and the
+surprising gathers (warned once, counted, refused on request), on every runner, with the native
+hot path and the Python dispatcher. Shapes give uneven shards on 4 workers."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dtorch_core as dt
+from dtorch_core.controller import session as session_module
+from dtorch_core.planner import gathers, native_dispatch
+from dtorch_core.tensor import DTensor
+
+from .helpers import DEVICE, WORLD_SIZE, assert_close
+
+R = dt.Replicate()
+NATIVE = native_dispatch.active() == "native"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def python_path():
+    """The Python dispatcher for the block (as with DTORCH_NATIVE_DISPATCH=0)."""
+    installed = DTensor.__dict__["__torch_dispatch__"]
+    DTensor.__torch_dispatch__ = native_dispatch.PYTHON_TORCH_DISPATCH
+    try:
+        yield
+    finally:
+        DTensor.__torch_dispatch__ = installed
+
+
+@pytest.fixture(params=["native", "python"])
+def hot_path(request, runner):
+    if request.param == "native" and not NATIVE:
+        pytest.skip(f"the native hot path is not built here: {native_dispatch.active()}")
+    with python_path() if request.param == "python" else contextlib.nullcontext():
+        yield request.param
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 10)  # 10 hidden columns: 3, 3, 3, 1 on 4 workers
+        self.fc2 = nn.Linear(10, 5)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class FusedAttn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(6, 15)  # q, k, v of 5 columns: shards of 4, 4, 4, 3 cross them
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(5, dim=-1)
+        return q * k + v
+
+
+def _tp_mlp(mesh):
+    ref = MLP()
+    plan = {"fc1": dt.nn.ColwiseParallel(), "fc2": dt.nn.RowwiseParallel()}
+    return ref, dt.nn.parallelize_module(copy.deepcopy(ref), mesh, plan)
+
+
+def _fresh_gather_log():
+    """Forget the warnings already given in this session (the session outlives one test)."""
+    log = gathers.log_of(session_module._session)
+    log.warned.clear()
+    return log
+
+
+def test_explain_tp_mlp_placements_and_bytes(mesh1d, hot_path):
+    ref, model = _tp_mlp(mesh1d)
+    xs = torch.randn(3, 6)
+    x = dt.distribute_tensor(xs, mesh1d, [R])
+    model(x)  # plans made: the explained call is all cache hits (the native path's own case)
+    installed = DTensor.__dict__["__torch_dispatch__"]
+    ex = dt.explain(model, x)
+    assert DTensor.__dict__["__torch_dispatch__"] is installed  # put back
+    assert_close(ex.result.full_tensor(), ref(xs).detach())
+
+    by_op = {(r.module, r.op): r for r in ex.ops}
+    fc1 = by_op[("MLP.fc1", "aten.addmm.default")]
+    assert fc1.phase == "forward" and fc1.source.endswith(f"{os.path.basename(__file__)}:{_line_of('self.fc1(x)')}")
+    assert fc1.outputs[0].shape == (3, 10) and fc1.outputs[0].placements == (dt.Shard(1),)
+    assert fc1.redistributions == []
+    fc2 = by_op[("MLP.fc2", "aten.addmm.default")]
+    assert [t.placements for t in fc2.inputs] == [(R,), (dt.Shard(1),), (dt.Shard(0),)]
+    assert fc2.outputs[0].placements == (dt.Partial("sum"),)
+    assert by_op[("MLP", "aten.relu.default")].outputs[0].placements == (dt.Shard(1),)
+    # RowwiseParallel's output layout: one all-reduce of the (3, 5) float32 output, asked for by the style
+    (reduce,) = [r for r in ex.ops if r.redistributions]
+    assert reduce.requested and reduce.module == "MLP.fc2" and reduce.op == "redistribute"
+    (move,) = reduce.redistributions
+    assert (move.kind, move.src, move.dst, move.mesh_dim) == ("all_reduce", (dt.Partial("sum"),), (R,), 0)
+    assert move.nbytes == 3 * 5 * torch.float32.itemsize
+    assert ex.collectives() == {"all_reduce": {"count": 1, "bytes": 60}}
+    modules = ex.modules()
+    assert list(modules) == ["MLP.fc1", "MLP", "MLP.fc2"]
+    assert modules["MLP.fc2"]["collectives"] == {"all_reduce": {"count": 1, "bytes": 60}}
+    assert modules["MLP.fc1"]["collectives"] == {} and modules["MLP.fc1"]["ops"] == 2  # t, addmm
+    text = str(ex)
+    assert "MLP.fc2: 2 ops; collectives: all_reduce x1 (60 B)" in text
+    assert "all_reduce [P(sum)]->[R] on mesh dim 0: 60 B" in text and "(3,10)[S(1)]" in text
+    assert json.loads(json.dumps(ex.to_dict()))["collectives"] == {"all_reduce": {"count": 1, "bytes": 60}}
+
+
+def _line_of(snippet: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if snippet in line and "_line_of" not in line)
+
+
+def test_explain_sees_every_op_on_either_path_and_backward(mesh1d, hot_path):
+    ref, model = _tp_mlp(mesh1d)
+    xs = torch.randn(3, 6)
+    x = dt.distribute_tensor(xs, mesh1d, [R])
+    runs = []
+    for _ in range(2):  # the first call plans, the second hits the plan cache
+        model.zero_grad(set_to_none=True)  # the same backward ops both times
+        with dt.explain() as ex:
+            loss = model(x).sum()
+            loss.backward()
+        runs.append([(r.op, r.module, r.phase, r.inputs, r.outputs, r.redistributions) for r in ex.ops])
+    assert runs[0] == runs[1]
+    ref(xs).sum().backward()
+    assert_close(model.fc1.weight.grad.full_tensor(), ref.fc1.weight.grad)
+    backward = [r for r in ex.ops if r.phase == "backward"]
+    assert backward and {r.module for r in backward} >= {"MLP.fc1", "MLP.fc2"}
+    grads = [r for r in backward if r.module == "MLP.fc1" and r.op == "aten.mm.default"]
+    assert any(r.outputs[0].placements == (dt.Shard(0),) for r in grads)  # fc1's weight grad stays sharded
+
+
+def test_explain_nested_and_requested_moves(mesh1d, hot_path):
+    a = torch.randn(7, 5)
+    x = dt.distribute_tensor(a, mesh1d, [dt.Shard(0)])
+    with dt.explain() as ex:
+        y = x.redistribute(mesh1d, [R])
+        z = (y * 2).sum()
+    assert_close(z.full_tensor(), (a * 2).sum())
+    first = ex.ops[0]
+    assert first.requested and first.op == "redistribute" and first.module == "Global"
+    assert [(m.kind, m.src, m.dst, m.nbytes) for m in first.redistributions] == [
+        ("all_gather", (dt.Shard(0),), (R,), 7 * 5 * 4)]
+    assert [r.op for r in ex.ops[1:] if r.depth == 0] == ["aten.mul.Tensor", "aten.sum.default"]
+    assert not any(r.surprising_gather for r in ex.ops)
+
+
+def test_fused_qkv_split_warns_once_and_is_counted(mesh1d, hot_path):
+    _fresh_gather_log()
+    ref = FusedAttn()
+    model = dt.nn.parallelize_module(copy.deepcopy(ref), mesh1d, {"qkv": dt.nn.ColwiseParallel()})
+    xs = torch.randn(3, 6)
+    x = dt.distribute_tensor(xs, mesh1d, [R])
+    before = dt.gather_counts().get("aten.split.Tensor", 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [model(x) for _ in range(3)]
+    for out in outs:
+        assert_close(out.full_tensor(), ref(xs).detach())
+    ours = [w for w in caught if "all-gathers" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in ours]
+    text = str(ours[0].message)
+    assert "aten.split.Tensor in module FusedAttn" in text and "Shard(dim=1) to Replicate()" in text
+    assert "ColwiseParallel" in text and "split before the sharded Linear" in text
+    assert ours[0].filename == __file__ and ours[0].lineno == _line_of("self.qkv(x).split(5")
+    assert dt.gather_counts()["aten.split.Tensor"] == before + 3
+    assert dt.fallback_counts() == {}  # not a fallback: the view rule chose the gather
+
+    ex = dt.explain(model, x)
+    (split,) = [r for r in ex.ops if r.op == "aten.split.Tensor"]
+    assert split.surprising_gather and split.module == "FusedAttn"
+    assert [(m.kind, m.src, m.dst, m.nbytes) for m in split.redistributions] == [
+        ("all_gather", (dt.Shard(1),), (R,), 3 * 15 * 4)]
+    assert "SURPRISING GATHER" in str(ex) and "split.Tensor in FusedAttn" in str(ex)
+
+
+def test_requested_gathers_do_not_warn(mesh1d, hot_path):
+    _fresh_gather_log()
+    a = torch.randn(3, 15)
+    x = dt.distribute_tensor(a, mesh1d, [dt.Shard(1)])
+    before = dict(dt.gather_counts())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*all-gathers")
+        parts = x.redistribute(mesh1d, [R]).split(5, dim=-1)  # the user asked for the gather
+        full = x.full_tensor()
+    for part, expected in zip(parts, a.split(5, dim=-1)):
+        assert_close(part.full_tensor(), expected)
+    assert_close(full, a)
+    assert dt.gather_counts() == before
+
+
+def test_strict_gathers_refuse_the_split(mesh1d, hot_path):
+    _fresh_gather_log()
+    ref = FusedAttn()
+    model = dt.nn.parallelize_module(copy.deepcopy(ref), mesh1d, {"qkv": dt.nn.ColwiseParallel()})
+    xs = torch.randn(3, 6)
+    x = dt.distribute_tensor(xs, mesh1d, [R])
+    try:
+        dt.set_strict(True)  # plain strict mode refuses fallbacks only
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(x)
+        dt.set_strict(True, gathers=True)
+        with pytest.raises(dt.OpError, match=r"aten\.split\.Tensor in module FusedAttn .* all-gathers input 0 "
+                                             r"\(3, 15\)\[Shard\(dim=1\)\]") as info:
+            model(x)
+        assert "ColwiseParallel" in str(info.value) and "gathers=True" in str(info.value)
+        with dt.explain() as ex, pytest.raises(dt.OpError):
+            model(x)
+        (split,) = [r for r in ex.ops if r.op == "aten.split.Tensor"]
+        assert split.error.startswith("OpError: aten.split.Tensor in module FusedAttn")
+    finally:
+        dt.set_strict(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_close(model(x).full_tensor(), ref(xs).detach())  # the refused plan was not kept
+
+
+SCRIPT = """
+import torch
+from torch import nn
+import dtorch_core as dt
+
+dt.init()
+mesh = dt.init_device_mesh({device!r}, ({world},))
+model = dt.nn.parallelize_module(nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 5)), mesh,
+                                 {{"0": dt.nn.ColwiseParallel(), "2": dt.nn.RowwiseParallel()}})
+x = dt.distribute_tensor(torch.randn(3, 6), mesh, [dt.Replicate()])
+for _ in range(2):
+    y = model(x)
+print("sum", float(y.sum().item()))
+"""
+
+
+@pytest.mark.parametrize("to_file", [False, True])
+def test_dtorch_run_explain(tmp_path, to_file):
+    script = tmp_path / "tp.py"
+    script.write_text(SCRIPT.format(device=DEVICE, world=min(WORLD_SIZE, 2)))
+    report = tmp_path / "explain.json"
+    cmd = [sys.executable, "-m", "dtorch_core.cli", "run", "--runner", "inline", "--world-size",
+           str(min(WORLD_SIZE, 2))]
+    cmd += ["--explain-file", str(report)] if to_file else ["--explain"]
+    proc = subprocess.run([*cmd, str(script)], check=False, capture_output=True, text=True, timeout=180,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sum " in proc.stdout
+    if to_file:
+        data = json.loads(report.read_text())
+        assert data["collectives"] == {"all_reduce": {"count": 2, "bytes": 2 * 3 * 5 * 4}}
+        assert {r["module"] for r in data["ops"]} >= {"Sequential.0", "Sequential.2"}
+    else:
+        text = proc.stderr
+        assert "dt.explain:" in text and "Sequential.2:" in text
+        assert "all_reduce [P(sum)]->[R] on mesh dim 0: 60 B  requested" in text
+        assert "\n  2      addmm" in text  # the two calls of the same op and line are one row
