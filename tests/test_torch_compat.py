@@ -305,3 +305,24 @@ def test_plan_keys_match_one_name_per_part_as_torch_does(mesh1d):
         dt.nn.parallelize_module(Llama(), mesh1d, {"*.wq": tp.ColwiseParallel()})
     with pytest.raises(dt.PlacementError, match="plan entry 'output' is 3"):
         dt.nn.parallelize_module(Llama(), mesh1d, {"output": 3})
+
+
+def test_vocab_sharded_logits_under_torchs_loss_parallel(runner):
+    """torchtitan's loss-parallel head: the logits stay sharded over the vocabulary (23 over 2)
+    and torch's loss_parallel() context changes nothing."""
+    mesh = dt.init_device_mesh(DEVICE, (2,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    ref = Llama(layers=1)
+    tokens, targets = torch.randint(0, 23, (2, 7)), torch.randint(0, 23, (2, 7))
+    model_plan, block_plan = titan_plans(tp)
+    model_plan["output"] = tp.ColwiseParallel(input_layouts=tdt.Shard(1), output_layouts=tdt.Shard(-1),
+                                              use_local_output=False)
+    model = dt.nn.parallelize_module(copy.deepcopy(ref), mesh, {**model_plan, "layers.*": block_plan})
+    with tp.loss_parallel():
+        logits, loss = step(model, tokens, targets)
+    assert logits.placements == (dt.Shard(2),)
+    ref_logits, ref_loss = step(ref, tokens, targets)
+    assert_close(logits, ref_logits.detach(), rtol=1e-4, atol=1e-5)
+    assert loss.full_tensor().item() == pytest.approx(ref_loss.item(), rel=1e-5)
+    for name, p in model.named_parameters():
+        assert_close(p.grad, dict(ref.named_parameters())[name].grad, rtol=1e-4, atol=1e-5, msg=name)
