@@ -6,9 +6,9 @@
 // vectorcall (an aten op's C++ callable: no Python frame per op), the outputs into the store —
 // and returns at the first instruction it leaves to Python: any other instruction type, a Call
 // whose input is missing or failed (Python fails its outputs), a plan without a Template (nested
-// slots), odd field types (Python validates or rejects), outstanding communication on the
-// streams (Python joins it first). A kernel that raises is not re-run: its exception comes back
-// with its position and Python records the WorkerFailure exactly as _call does. Nothing here
+// slots), odd field types (Python validates or rejects). With communication in flight it calls
+// the streams' join_reads as _call does. A kernel that raises is not re-run: its exception comes
+// back with its position and Python records the WorkerFailure exactly as _call does. Nothing here
 // links libtorch, so the module builds against any torch.
 #include <Python.h>
 #include <descrobject.h>
@@ -33,7 +33,7 @@ struct Config {
     bool ready = false;
 };
 Config cfg;
-PyObject *s_outstanding;
+PyObject *s_outstanding, *s_join_reads;
 PyObject *empty_tuple;
 
 // The field at `offset` of a slotted instance (borrowed; nullptr when unset).
@@ -190,7 +190,26 @@ PyType_Slot template_slots[] = {
 PyType_Spec template_spec = {"dtorch_core._workerpath.Template", sizeof(TemplateObject), 0, Py_TPFLAGS_DEFAULT,
                              template_slots};
 
-enum class Step { done, python, error, failed };
+// How one Call went: done; left to Python (nothing ran); an error to raise; the kernel raised
+// (failed) or joining the streams did (join_failed), the exception in *raised.
+enum class Step { done, python, error, failed, join_failed };
+
+// The pending exception into *raised (a new reference) when it is an Exception, as the Python
+// path's `except Exception`; anything else (KeyboardInterrupt, SystemExit) stays raised: false.
+bool take_exception(PyObject **raised) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (!value || !PyObject_TypeCheck(value, (PyTypeObject *)PyExc_Exception)) {
+        PyErr_Restore(type, value, traceback);
+        return false;
+    }
+    if (traceback) PyException_SetTraceback(value, traceback);
+    Py_XDECREF(type);
+    Py_XDECREF(traceback);
+    *raised = value;
+    return true;
+}
 
 // Whether output id `tid` (an int) is kept (>= 0; -1 marks an output nobody reads).
 inline bool kept(PyObject *tid) {
@@ -248,7 +267,7 @@ bool store_outputs(PyObject *store, PyObject *outs, PyObject *out) {
     return true;
 }
 
-// One Call. Step::failed leaves the kernel's exception in *raised (a new reference).
+// One Call.
 Step run_call(PyObject *ins, PyObject *store, PyObject *plans, PyObject *streams, PyObject **raised) {
     PyObject *plan_id = slot(ins, cfg.plan_id);
     PyObject *inputs = slot(ins, cfg.inputs);
@@ -269,11 +288,6 @@ Step run_call(PyObject *ins, PyObject *store, PyObject *plans, PyObject *streams
     Py_ssize_t n_in = PyTuple_GET_SIZE(inputs);
     if (t->needs > n_in) return Step::python;  // Python's bind raises IndexError: a kernel failure there
 
-    PyObject *outstanding = PyObject_GetAttr(streams, s_outstanding);
-    if (!outstanding) return Step::error;
-    Py_DECREF(outstanding);
-    if (outstanding != Py_False) return Step::python;  // communication to join first: Python does it
-
     PyObject *small[16];
     std::vector<PyObject *> big;
     PyObject **vals = small;
@@ -288,6 +302,25 @@ Step run_call(PyObject *ins, PyObject *store, PyObject *plans, PyObject *streams
         if (!v) return PyErr_Occurred() ? Step::error : Step::python;
         if (Py_TYPE(v) == cfg.failure) return Step::python;
         vals[i] = v;
+    }
+    // communication in flight (device streams): compute waits for what this call reads, as in
+    // Worker._call (`if streams.outstanding: streams.join_reads(vals)`)
+    PyObject *outstanding = PyObject_GetAttr(streams, s_outstanding);
+    if (!outstanding) return Step::error;
+    int pending = outstanding == Py_False ? 0 : PyObject_IsTrue(outstanding);
+    Py_DECREF(outstanding);
+    if (pending < 0) return Step::error;
+    if (pending) {
+        PyObject *list = PyList_New(n_in);
+        if (!list) return Step::error;
+        for (Py_ssize_t i = 0; i < n_in; ++i) {
+            Py_INCREF(vals[i]);
+            PyList_SET_ITEM(list, i, vals[i]);
+        }
+        PyObject *r = PyObject_CallMethodOneArg(streams, s_join_reads, list);
+        Py_DECREF(list);
+        if (!r) return take_exception(raised) ? Step::join_failed : Step::error;
+        Py_DECREF(r);
     }
     Py_ssize_t n = PyTuple_GET_SIZE(t->argv);
     PyObject *small_argv[16];
@@ -306,28 +339,16 @@ Step run_call(PyObject *ins, PyObject *store, PyObject *plans, PyObject *streams
     PyObject *out = PyObject_Vectorcall(t->fn, argv, t->nargs, t->kwnames);
     for (Py_ssize_t i = 0; i < n; ++i) Py_DECREF(argv[i]);
     Py_DECREF(native);
-    if (!out) {
-        PyObject *type, *value, *traceback;
-        PyErr_Fetch(&type, &value, &traceback);
-        PyErr_NormalizeException(&type, &value, &traceback);
-        if (!value || !PyObject_TypeCheck(value, (PyTypeObject *)PyExc_Exception)) {
-            PyErr_Restore(type, value, traceback);  // KeyboardInterrupt and the like: not a kernel failure
-            return Step::error;
-        }
-        if (traceback) PyException_SetTraceback(value, traceback);
-        Py_XDECREF(type);
-        Py_XDECREF(traceback);
-        *raised = value;
-        return Step::failed;
-    }
+    if (!out) return take_exception(raised) ? Step::failed : Step::error;
     bool ok = store_outputs(store, outputs, out);
     Py_DECREF(out);
     return ok ? Step::done : Step::error;
 }
 
-// run_calls(batch, start, store, plans, streams) -> (position, exception or None): runs the
-// Calls of `batch` from `start` on; `position` is the first instruction not run (len(batch) at
-// the end). With an exception, the Call at `position` ran and its kernel raised it.
+// run_calls(batch, start, store, plans, streams) -> (position, exception or None, in_kernel):
+// runs the Calls of `batch` from `start` on; `position` is the first instruction not run
+// (len(batch) at the end). With an exception, the Call at `position` raised it: in its kernel
+// (in_kernel), else in streams.join_reads before the kernel.
 PyObject *run_calls(PyObject *, PyObject *const *argv, Py_ssize_t nargs) {
     if (nargs != 5 || !PyList_CheckExact(argv[0]) || !PyDict_CheckExact(argv[2]) || !PyDict_CheckExact(argv[3])) {
         PyErr_SetString(PyExc_TypeError, "run_calls(batch: list, start: int, store: dict, plans: dict, streams)");
@@ -342,6 +363,7 @@ PyObject *run_calls(PyObject *, PyObject *const *argv, Py_ssize_t nargs) {
     if (i == -1 && PyErr_Occurred()) return nullptr;
     if (i < 0) i = 0;
     PyObject *raised = nullptr;
+    bool in_kernel = false;
     for (; i < PyList_GET_SIZE(batch); ++i) {
         PyObject *ins = PyList_GET_ITEM(batch, i);
         if (Py_TYPE(ins) != cfg.call) break;
@@ -350,7 +372,8 @@ PyObject *run_calls(PyObject *, PyObject *const *argv, Py_ssize_t nargs) {
         Py_DECREF(ins);
         if (step == Step::done) continue;
         if (step == Step::error) return nullptr;
-        break;  // Step::python or Step::failed
+        in_kernel = step == Step::failed;
+        break;  // Step::python, failed or join_failed
     }
     if (!raised) {
         Py_INCREF(Py_None);
@@ -361,7 +384,7 @@ PyObject *run_calls(PyObject *, PyObject *const *argv, Py_ssize_t nargs) {
         Py_DECREF(raised);
         return nullptr;
     }
-    PyObject *r = PyTuple_New(2);
+    PyObject *r = PyTuple_New(3);
     if (!r) {
         Py_DECREF(pos);
         Py_DECREF(raised);
@@ -369,11 +392,14 @@ PyObject *run_calls(PyObject *, PyObject *const *argv, Py_ssize_t nargs) {
     }
     PyTuple_SET_ITEM(r, 0, pos);
     PyTuple_SET_ITEM(r, 1, raised);
+    PyObject *flag = in_kernel ? Py_True : Py_False;
+    Py_INCREF(flag);
+    PyTuple_SET_ITEM(r, 2, flag);
     return r;
 }
 
 PyMethodDef run_calls_def = {"run_calls", (PyCFunction)(void (*)(void))run_calls, METH_FASTCALL,
-                             "run_calls(batch, start, store, plans, streams) -> (position, exception or None)"};
+                             "run_calls(batch, start, store, plans, streams) -> (position, exception or None, in_kernel)"};
 
 
 // ---------------------------------------------------------------------------------------------
@@ -596,7 +622,8 @@ PyMethodDef read_calls_def = {"read_calls", (PyCFunction)(void (*)(void))read_ca
 
 NB_MODULE(_workerpath, m) {
     s_outstanding = PyUnicode_InternFromString("outstanding");
-    if (!s_outstanding) throw nb::python_error();
+    s_join_reads = PyUnicode_InternFromString("join_reads");
+    if (!s_outstanding || !s_join_reads) throw nb::python_error();
 
     empty_tuple = PyTuple_New(0);
     if (!empty_tuple) throw nb::python_error();

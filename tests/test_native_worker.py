@@ -220,15 +220,42 @@ def test_failures_are_the_python_paths():
 
 
 @needs_native
-def test_outstanding_communication_is_joined_in_python():
+def test_outstanding_communication_is_joined_first():
     a = torch.randn(4, 4)
     setup = [MESH, *puts(t1=a), plan(1, "aten::add.Tensor", [Slot(0), Slot(0)])]
-    batch = [Call(1, (1,), (2,)), Call(1, (2,), (3,))]
+    batch = [Call(1, (1,), (2,)), Call(1, (2,), (3,)), Call(1, (77,), (4,))]
     py = run_on(False, [setup, batch], streams=RecordingStreams(torch.device("cpu")))
     nat = run_on(True, [setup, batch], streams=RecordingStreams(torch.device("cpu")))
     assert_same_store(py[0], nat[0])
-    assert len(py[3].streams.joined) == len(nat[3].streams.joined) == 2
+    assert len(py[3].streams.joined) == len(nat[3].streams.joined) == 2  # not for the missing input
     assert torch.equal(nat[0][3], a * 4)
+
+
+class FailingJoinStreams(RecordingStreams):
+    error = ValueError
+
+    def join_reads(self, values) -> None:
+        raise self.error("the streams cannot join")
+
+
+class CrashingJoinStreams(FailingJoinStreams):
+    error = RuntimeError
+
+
+@needs_native
+def test_a_failing_join_is_handled_as_on_the_python_path():
+    a = torch.randn(2, 2)
+    setup = [MESH, *puts(t1=a), plan(1, "aten::neg.default", [Slot(0)])]
+    program = DefineProgram(4, (Call(1, (100,), (101,)),), (100,), (101,))
+    # an invalid-data error rejects the instruction (a Call, or the replay holding it)
+    store, replies, _, _ = both_paths([setup, [program, Call(1, (1,), (2,)), RunProgram(4, (1,), (3,), 0, 0)]],
+                                      streams_type=FailingJoinStreams)
+    assert type(store[2]) is WorkerFailure and "the streams cannot join" in store[2].message
+    assert type(store[3]) is WorkerFailure and len(replies) == 2
+    # anything else ends the batch, as a bug in the worker
+    for native_path in (False, True):
+        with pytest.raises(RuntimeError, match="cannot join"):
+            run_on(native_path, [setup, [Call(1, (1,), (2,))]], streams=CrashingJoinStreams(torch.device("cpu")))
 
 
 @needs_native

@@ -137,15 +137,19 @@ class Worker(WorkerCollectives, WorkerPrograms):
             return
         i, n = 0, len(batch)
         while i < n:
-            i, raised = run_calls(batch, i, self.store, self.plans, self.streams)
+            i, raised, in_kernel = run_calls(batch, i, self.store, self.plans, self.streams)
             if i >= n:
                 return
             ins = batch[i]
             i += 1
-            if raised is not None:
-                self._kernel_failed(ins, self.plans[ins.plan_id], raised)
-            else:
+            if raised is None:
                 self._run_one(ins)
+            elif in_kernel:
+                self._kernel_failed(ins, self.plans[ins.plan_id], raised)
+            elif isinstance(raised, INVALID):  # from join_reads: what _run_one does with it
+                self.reject(ins, describe(ins, raised))
+            else:
+                raise raised
 
     def _run_one(self, ins) -> None:
         """Run one instruction of a batch; an invalid one is rejected, the worker keeps serving."""
@@ -174,15 +178,17 @@ class Worker(WorkerCollectives, WorkerPrograms):
             return
         i, n = 0, len(steps)
         while i < n:
-            i, raised = run_calls(steps, i, self.store, self.plans, self.streams)
+            i, raised, in_kernel = run_calls(steps, i, self.store, self.plans, self.streams)
             if i >= n:
                 return
             step = steps[i]
             i += 1
-            if raised is not None:
+            if raised is None:
+                self.execute(step)
+            elif in_kernel:
                 self._kernel_failed(step, self.plans[step.plan_id], raised)
             else:
-                self.execute(step)
+                raise raised  # from join_reads: the replay fails as it does on the Python path
 
     def reject(self, ins, message: str) -> None:
         """Skip ``ins``: its outputs fail with ``message``, which also goes to the controller."""
