@@ -260,17 +260,15 @@ def _value(loss) -> float:
 class LossReader:
     """Reads each step's loss ``lag`` steps after the step was issued.
 
-    A read waits for the devices to reach that loss. Reading the newest loss waits for every
-    step issued so far, so the devices run dry and the progress bar stalls for as long as the
-    queued steps take (seconds, every few steps). A loss ``lag`` steps old is (nearly) ready, and
-    the steps after it keep the devices busy meanwhile; reading one every step keeps the
-    controller ``lag`` steps ahead, so the bar moves at the devices' pace.
+    A read waits for the devices to reach that loss: reading the newest one waits for every step
+    issued, so the devices run dry and the bar stalls for as long as the queued steps take. A
+    loss ``lag`` steps old is (nearly) ready while later steps keep the devices busy; one such
+    read per step keeps the controller ``lag`` steps ahead and the bar at the devices' pace.
     """
 
     def __init__(self, lag: int, values: list[float] | None = None):
-        self.lag = max(0, lag)
+        self.lag, self._pending = max(0, lag), collections.deque()
         self.values = [] if values is None else values  # every loss read, from step 0
-        self._pending: collections.deque = collections.deque()
 
     def push(self, loss) -> None:
         """Keep this step's loss handle; read those now ``lag`` steps old."""
@@ -305,8 +303,7 @@ class _NoBar:
     def set_postfix(self, **kwargs):
         pass
 
-    def close(self):
-        pass
+    close = set_postfix
 
 
 def config_from(args) -> GPTConfig:
@@ -453,9 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PNG of the loss curve, written at the end; '' for none (default %(default)s)")
     p.add_argument("--log-every", type=int, default=10, metavar="N", help="log the loss every N steps (default %(default)s)")
     p.add_argument("--loss-lag", type=int, default=2, metavar="K",
-                   help="read each step's loss K steps after issuing it, so that a read never waits for the "
-                        "steps queued behind it and the progress bar keeps moving; 0 reads it at once, "
-                        "letting the devices run dry every step (default %(default)s)")
+                   help="read each step's loss K steps late, so that a read never waits for the steps queued "
+                        "behind it; 0 reads it at once and lets the devices run dry (default %(default)s)")
     p.add_argument("--log-level", default="info",
                    help="structlog level; debug shows dtorch's own records (default %(default)s)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
