@@ -6,6 +6,7 @@ from ..hookspecs import hookimpl
 from . import (
     composite,
     conv,
+    data_dependent,
     foreach,
     foreach_norm,
     foreach_rule,
@@ -28,6 +29,7 @@ def dtorch_register_ops(registry) -> None:
     for family in (pointwise, reductions, matmul, views, indexing, nn, conv, losses, foreach, foreach_rule,
                    fused_optim):
         family.register(registry)
+    data_dependent.register(registry)  # decompositions: nonzero, masked_select, x[mask], unique, ...
     composite.register(registry)  # last: only ops that got nothing above
 
 
@@ -38,3 +40,4 @@ def dtorch_register_kernels(registry) -> None:
     storage_kernels.register(registry)
     foreach_norm.register_kernels(registry)
     conv.register_kernels(registry)
+    data_dependent.register_kernels(registry)
