@@ -32,7 +32,6 @@ import weakref
 
 import attrs
 import torch
-from torch.utils._pytree import tree_leaves
 from torch.utils.module_tracker import ModuleTracker
 
 from .controller import session as _session_mod
@@ -132,6 +131,7 @@ class Explanation:
         self._tracker: ModuleTracker | None = None
         self._saved_dispatch = None
         self._running = False
+        self._infos: dict = {}  # TensorSpec -> TensorInfo
 
     # -- recording ----------------------------------------------------------------------------
     def __enter__(self):
@@ -193,12 +193,14 @@ class Explanation:
 
     def _dispatch(self, inner, func, types, args, kwargs):
         kwargs = kwargs or {}
-        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        leaves: list = []
+        _tensors(args, leaves)
+        _tensors(kwargs, leaves)
         session = next((t._handle.session for t in leaves if type(t) is DTensor), None)
         if session is not None:
             self.attach(session)
         stack = self._stack()
-        record = self._new_record(str(func), depth=len(stack), inputs=tuple(_info(t) for t in leaves))
+        record = self._new_record(str(func), depth=len(stack), inputs=tuple(self._info(t) for t in leaves))
         frame = _Frame(record)
         fallbacks = sum(session.fallback_counts.values()) if session is not None else 0
         stack.append(frame)
@@ -212,8 +214,20 @@ class Explanation:
             record.surprising_gather = frame.gathered
             if session is not None:
                 record.fallback = sum(session.fallback_counts.values()) > fallbacks
-        record.outputs = tuple(_info(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        results: list = []
+        _tensors(out, results)
+        record.outputs = tuple(self._info(t) for t in results)
         return out
+
+    def _info(self, t) -> TensorInfo:
+        if type(t) is DTensor:
+            # specs are canonical (one object per distinct spec): one TensorInfo each
+            spec = t._spec
+            info = self._infos.get(spec)
+            if info is None:
+                info = self._infos[spec] = TensorInfo(tuple(spec.shape), tuple(spec.placements))
+            return info
+        return TensorInfo(tuple(t.shape), None)
 
     def _on_gather(self, plan) -> None:
         stack = self._stack()
@@ -272,10 +286,16 @@ class Explanation:
         return f"<Explanation: {len(self.ops)} records, {moves} collectives>"
 
 
-def _info(t) -> TensorInfo:
-    if type(t) is DTensor:
-        return TensorInfo(tuple(t._spec.shape), tuple(t._spec.placements))
-    return TensorInfo(tuple(t.shape), None)
+def _tensors(x, out: list) -> None:
+    """Append the tensors in nested tuples, lists and dict values of ``x`` to ``out``."""
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif type(x) is tuple or type(x) is list:
+        for a in x:
+            _tensors(a, out)
+    elif type(x) is dict:
+        for a in x.values():
+            _tensors(a, out)
 
 
 def explain(fn=None, *args, **kwargs):

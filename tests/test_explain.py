@@ -185,6 +185,29 @@ def test_fused_qkv_split_warns_once_and_is_counted(mesh1d, hot_path):
     assert "SURPRISING GATHER" in str(ex) and "split.Tensor in FusedAttn" in str(ex)
 
 
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([FusedAttn(), FusedAttn()])
+
+    def forward(self, x):
+        return self.blocks[1](self.blocks[0](x).repeat(1, 2)[:, :6])
+
+
+def test_repeated_blocks_warn_once(mesh1d, runner):
+    _fresh_gather_log()
+    ref = Stack()
+    plan = {f"blocks.{i}.qkv": dt.nn.ColwiseParallel() for i in range(2)}
+    model = dt.nn.parallelize_module(copy.deepcopy(ref), mesh1d, plan)
+    xs = torch.randn(3, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model(dt.distribute_tensor(xs, mesh1d, [R]))
+    assert_close(out.full_tensor(), ref(xs).detach())
+    ours = [str(w.message) for w in caught if "all-gathers" in str(w.message)]
+    assert len(ours) == 1 and "in module Stack.blocks.0 " in ours[0], ours
+
+
 def test_requested_gathers_do_not_warn(mesh1d, hot_path):
     _fresh_gather_log()
     a = torch.randn(3, 15)

@@ -19,7 +19,8 @@ the replicated fallback of an op without a rule (``dt.fallback_counts()`` counts
 dims of one device (nothing moves).
 
 Each call of such a plan is counted (``dt.gather_counts()``) and warns once per op, module and
-input placements; ``dt.set_strict(True, gathers=True)`` makes the planner refuse the plan
+input placements (modules that differ only in list indices, ``blocks.0.attn`` and
+``blocks.1.attn``, are one module here: the warning names the first); ``dt.set_strict(True, gathers=True)`` makes the planner refuse the plan
 (:class:`OpError`, the warning's text).
 """
 
@@ -135,19 +136,26 @@ def advice(op: str) -> str:
                 "Linear")
     if base.startswith(_SHAPE_OPS):
         return ("reshape so that the sharded dim stays whole, or becomes the leading dim of its split "
-                "where each shard holds whole rows of it (e.g. (..., 3*H*D) -> (..., 3, H, D) needs "
-                "shards of whole q/k/v blocks)")
+                "with each shard holding whole rows of it (e.g. (..., 3*H*D) -> (..., 3, H, D) needs "
+                "shards of whole q/k/v blocks); merging a sharded dim with the dims after it keeps the "
+                "shards only where they split it evenly (a batch of 3 rows on 2 workers does not: use "
+                "a batch the mesh dim divides)")
     return "give the op inputs laid out as its sharding rule keeps them (dt.explain shows the plan)"
 
 
 def describe(op: str, lost: tuple[LostShard, ...], mesh, module: str | None, source) -> str:
     names = mesh.mesh_dim_names
-    parts = []
+    per_input: dict = {}
     for g in lost:
-        dim = f"{g.mesh_dim} ({names[g.mesh_dim]!r})" if names else str(g.mesh_dim)
-        parts.append(f"input {g.input_index} {g.shape}{list(g.placements)} from "
-                     f"{g.placements[g.mesh_dim]} to Replicate() on mesh dim {dim}")
-    where = f" in module {module}" if module else ""
+        per_input.setdefault(g.input_index, []).append(g)
+    parts = []
+    for i, found in per_input.items():
+        g = found[0]
+        dims = " and ".join(f"{x.mesh_dim} ({names[x.mesh_dim]!r})" if names else str(x.mesh_dim) for x in found)
+        shards = ", ".join(sorted({repr(x.placements[x.mesh_dim]) for x in found}))
+        plural = "s" if len(found) > 1 else ""
+        parts.append(f"input {i} {g.shape}{list(g.placements)} from {shards} to Replicate() on mesh dim{plural} {dims}")
+    where = "" if not module else f" in {module}" if module.startswith("backward of") else f" in module {module}"
     at = f" at {format_source(source)}" if source is not None else ""
     return (f"dtorch: {op}{where}{at} all-gathers {'; '.join(parts)}, and its outputs stay replicated "
             "there: every worker holds and computes the whole result. To avoid it: "
@@ -184,7 +192,7 @@ class GatheringPlan:
         if where not in self._warned_for:
             self._warned_for.add(where)
             module = module_name(chain)
-            key = (self.op, module, tuple(g.placements for g in self.lost))
+            key = (self.op, _pattern(module), tuple(g.placements for g in self.lost))
             if key not in log.warned:
                 log.warned.add(key)
                 _warn(describe(self.op, self.lost, self.mesh, module, user_source(2)))
@@ -194,6 +202,14 @@ class GatheringPlan:
         if name == "plan":  # not set yet (copies): no recursion
             raise AttributeError(name)
         return getattr(self.plan, name)
+
+
+def _pattern(module: str | None) -> str | None:
+    """``module`` with list indices as ``*``: the same op in each of a model's repeated blocks
+    warns once (naming the first block)."""
+    if module is None:
+        return None
+    return ".".join("*" if part.isdigit() else part for part in module.split("."))
 
 
 def _warn(message: str) -> None:
