@@ -128,8 +128,7 @@ def masked_select(x, mask):
 
 
 def index(x, indices):
-    masks = [i for i in indices if i is not None and i.dtype in (torch.bool, torch.uint8)]
-    if not masks:
+    if not _has_mask(indices):
         return dispatch_direct(aten.index.Tensor, (x, indices), {})
     if len(indices) == 1 and tuple(indices[0].shape) == tuple(x.shape) and type(x) is DTensor \
             and type(indices[0]) is DTensor:
@@ -168,7 +167,7 @@ def masked_scatter_(x, mask, source):
 def index_put(x, indices, values, accumulate=False):
     """``x[indices] = values`` (``index_put``): a boolean mask over all of ``x`` fills or
     scatters shard by shard; other masks become integer indices (their ``nonzero``)."""
-    if not any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
+    if not _has_mask(indices):
         return dispatch_direct(aten.index_put.default, (x, indices, values, accumulate), {})
     if len(indices) == 1 and tuple(indices[0].shape) == tuple(x.shape) and type(x) is DTensor:
         mask = indices[0].to(torch.bool)
@@ -183,10 +182,20 @@ def index_put(x, indices, values, accumulate=False):
 
 
 def index_put_(x, indices, values, accumulate=False):
-    if not any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
+    if not _has_mask(indices):
         return dispatch_direct(aten.index_put_.default, (x, indices, values, accumulate), {})
     aten.copy_.default(x, index_put(x, indices, values, accumulate))
     return x
+
+
+def _has_mask(indices) -> bool:
+    return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
+# only calls with a mask take these decompositions (planner/dispatch.py asks once per cache key):
+# integer indexing keeps its rule's plan, served by the native hot path
+index.applies = index_put.applies = index_put_.applies = lambda args, kwargs: _has_mask(
+    args[1] if len(args) > 1 else kwargs.get("indices", ()))
 
 
 def _integer_indices(indices) -> list:

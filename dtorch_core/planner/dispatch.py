@@ -114,7 +114,7 @@ def build_plan(session, func, args, kwargs, inputs):
     if func in _SYNC_OPS:
         return FunctionPlan(lambda *a, **kw: run_on_controller(func, a, kw))
     decomposition = session.ops.decomposition_for(func)
-    if decomposition is not None:
+    if decomposition is not None and _decomposes(decomposition, args, kwargs):
         # the ops it calls check their own meshes (a foreach list may span several)
         return FunctionPlan(decomposition)
     mesh, view = common_mesh(func, inputs)
@@ -125,3 +125,11 @@ def build_plan(session, func, args, kwargs, inputs):
     if plan is None:
         return fallback_plan(session, func, "has a sharding rule, but none of its choices fits these inputs")
     return plan
+
+
+def _decomposes(decomposition, args, kwargs) -> bool:
+    """A decomposition with an ``applies(args, kwargs)`` predicate serves only the calls it
+    accepts, decided once per cache key (e.g. indexing by boolean masks, whose dtype is in the
+    key); the other calls are planned with the op's rule, as if it had no decomposition."""
+    applies = getattr(decomposition, "applies", None)
+    return applies is None or applies(args, kwargs)
