@@ -19,15 +19,15 @@ import torch
 import torch.distributed as dist
 
 import dtorch_core as dt
-from dtorch_core.comm.collectives import combine_all
+from dtorch_core.comm.collectives import combine_all, combine_one
 from dtorch_core.comm.dist import DistExchange
 from dtorch_core.controller import session as session_module
 from dtorch_core.ir.instructions import Call, Collective, DefineMesh, Delete, Fetch
-from dtorch_core.placement import Partial
+from dtorch_core.placement import Partial, Shard
 from dtorch_core.planner.emit import mark_consumed
 from dtorch_core.spec import local_shapes
 from dtorch_core.worker import collectives as worker_collectives
-from dtorch_core.worker.loop import Worker
+from dtorch_core.worker.loop import CollectiveStep, Worker
 
 from .helpers import assert_close, run_ranks
 
@@ -256,10 +256,40 @@ def _run_worker_cases(rank: int, native: bool) -> None:
                 tid += 2
 
 
+# all-to-all and reduce-scatter where the layouts let the native path skip its copies (unit
+# dims before the sharded one), and dtypes of other widths on the CPU path's flagged pieces:
+# (kind, source placement, dim, dim2, global shape, dtype)
+LAYOUTS = [
+    ("all_to_all", Shard(1), 1, 2, (1, 7, 5), torch.float32),  # joined along dim 1 after a unit dim
+    ("all_to_all", Shard(2), 2, 1, (1, 5, 6), torch.float32),  # sends slices of dim 1 after a unit dim
+    ("all_to_all", Shard(0), 0, 1, (5, 3), torch.bfloat16),
+    ("all_to_all", Shard(1), 1, 0, (3, 3), torch.int64),
+    ("reduce_scatter", Partial(), 0, 0, (5, 3), torch.float64),
+    ("reduce_scatter", Partial("max"), 1, 0, (2, 3), torch.int64),
+    ("reduce_scatter", Partial(), 0, 0, (1, 2), torch.bfloat16),  # an empty chunk
+]
+
+
+def _run_layouts(rank: int, native: bool) -> None:
+    ex = DistExchange(rank, torch.device("cpu"), native=native)
+    ex.define_mesh(3, (WORLD,), tuple(range(WORLD)))
+    for n, (kind, placement, dim, dim2, shape, dtype) in enumerate(LAYOUTS):
+        shapes = local_shapes(shape, (placement,), (WORLD,))
+        ins = Collective(kind, 3, 0, 1, 2, dim, placement.reduce_op if kind == "reduce_scatter" else "sum", dim2,
+                         shapes, dtype)
+        values = [(torch.randn(shapes[r], generator=torch.Generator().manual_seed(n * 10 + r)) * 10).to(dtype)
+                  for r in range(WORLD)]
+        got = ex.exchange((3, 0, 0, n), rank, WORLD, values[rank], CollectiveStep(ins, rank))
+        expected = combine_one(kind, values, dim, ins.reduce_op, dim2, rank)
+        assert got.shape == expected.shape and got.dtype == dtype, (n, got.shape, expected.shape)
+        assert torch.equal(got, expected), (n, kind, shape, dtype)
+
+
 def _entry(rank: int, store_file: str, native: bool, errors) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD)
         try:
+            _run_layouts(rank, native)
             _run_worker_cases(rank, native)
         finally:
             dist.destroy_process_group()
@@ -269,6 +299,6 @@ def _entry(rank: int, store_file: str, native: bool, errors) -> None:
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["gathered", "native"])
-def test_consumed_all_reduce_between_processes(native, tmp_path):
+def test_layouts_and_consumed_all_reduce_between_processes(native, tmp_path):
     run_ranks(_entry, lambda r: (r, str(tmp_path / "store"), native), WORLD)
 

@@ -4,9 +4,10 @@ The members of a group must agree on every contribution's size before payloads m
 controller knows them all, so its instructions carry every rank's local shape and the dtype
 (``Collective.shapes``/``dtype``, planner/emit.py) and the payloads move with no header exchange:
 
-- on CPU (gloo) every step is one all-gather of the contributions (padded to the largest)
-  followed by the ``combine_all`` arithmetic of the in-process runners, so every runner computes
-  the same bits;
+- on CPU (gloo) an all-gather or all-reduce is one all-gather of the contributions (padded to
+  the largest) followed by the ``combine_all`` arithmetic of the in-process runners, so every
+  runner computes the same bits; an all-to-all or reduce-scatter is one ``all_to_all_single``
+  that sends each member only the pieces its result needs, then the same arithmetic on them;
 - a ``shift`` (each member receives one peer's tensor) is one point-to-point send and receive
   per member (``batch_isend_irecv``) on every device type: no member receives more than its
   own result;
@@ -27,6 +28,7 @@ wire messages of older controllers (without shapes) are refused by the version c
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -37,6 +39,7 @@ import torch.distributed as dist
 from ..ir.instructions import WorkerFailure
 from ..mesh import DeviceMesh
 from ..placement import chunk_extent
+from .collectives import chunk_of, reduce_all
 
 _NATIVE_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                             torch.int8, torch.uint8})
@@ -89,6 +92,8 @@ class DistExchange:
         elif self.native and ins.dtype in _NATIVE_DTYPES:
             result = _NATIVE[ins.kind](ins, group, index, shapes, value, owned)
             peers_failed = None  # no flags travel with a native collective
+        elif ins.kind in _BY_PIECES:
+            result, peers_failed = _BY_PIECES[ins.kind](ins, group, index, shapes, value, failure is not None)
         else:
             values, peers_failed = _all_gather_padded(group, index, shapes, value, self.device, failure is not None)
             result = None if peers_failed else compute.one(values, index, value if owned else None)
@@ -126,6 +131,58 @@ def _all_gather_padded(group, index, shapes, value, device, failed: bool) -> tup
         for i, (n, s) in enumerate(zip(nbytes, shapes))
     ]
     return values, bool(gathered[width - 1::width].any()) if device.type == "cpu" else None
+
+
+def _all_to_all_flagged(group, sends, recv_shapes, like, failed: bool) -> tuple[list, bool]:
+    """The pieces of shapes ``recv_shapes`` that the members send this one (``sends[j]`` goes to
+    member j) through one ``all_to_all_single`` of bytes, a flag slot behind each piece (one
+    element wide, which keeps every piece aligned for its dtype); and whether a member's
+    contribution failed (CPU only: read where reading costs nothing)."""
+    itemsize = like.element_size()
+    send_sizes = [p.numel() + 1 for p in sends]
+    recv_sizes = [math.prod(s) + 1 for s in recv_shapes]
+    send = like.new_empty(sum(send_sizes))
+    send_bytes = send.view(torch.uint8)
+    end = 0
+    for piece, n in zip(sends, send_sizes):
+        if n > 1:
+            send[end:end + n - 1].view(piece.shape).copy_(piece)  # one pass, whatever the piece's strides
+        end += n
+        send_bytes[(end - 1) * itemsize] = int(failed)
+    recv = like.new_empty(sum(recv_sizes))
+    recv_bytes = recv.view(torch.uint8)
+    dist.all_to_all_single(recv_bytes, send_bytes, [n * itemsize for n in recv_sizes],
+                           [n * itemsize for n in send_sizes], group=group)
+    pieces, flags, end = [], [], 0
+    for shape, n in zip(recv_shapes, recv_sizes):
+        pieces.append(recv[end:end + n - 1].view(shape))
+        end += n
+        flags.append((end - 1) * itemsize)
+    return pieces, bool(recv_bytes[flags].any()) if like.device.type == "cpu" else None
+
+
+def _pieces_all_to_all(ins, group, index, shapes, value, failed: bool) -> tuple:
+    """Member j holds shard j along ``dim``; each member receives chunk ``index`` along ``dim2``
+    of every shard and joins them along ``dim`` (combine_one's all-to-all)."""
+    k, dim, dim2 = len(shapes), ins.dim, ins.dim2
+    m = value.shape[dim2]
+    sends = [value.narrow(dim2, e.offset, e.length) for e in (chunk_extent(m, k, j) for j in range(k))]
+    mine = chunk_extent(m, k, index).length
+    recv_shapes = [s[:dim2] + (mine,) + s[dim2 + 1:] for s in map(tuple, shapes)]
+    pieces, peers_failed = _all_to_all_flagged(group, sends, recv_shapes, value, failed)
+    return (None if peers_failed else torch.cat(pieces, dim=dim)), peers_failed
+
+
+def _pieces_reduce_scatter(ins, group, index, shapes, value, failed: bool) -> tuple:
+    """Each member receives every member's chunk ``index`` along ``dim`` and reduces them in
+    group order (combine_one's reduce-scatter, the same bits)."""
+    k, dim = len(shapes), ins.dim
+    sends = [chunk_of(value, dim, k, j) for j in range(k)]
+    pieces, peers_failed = _all_to_all_flagged(group, sends, [sends[index].shape] * k, value, failed)
+    return (None if peers_failed else reduce_all(pieces, ins.reduce_op)), peers_failed
+
+
+_BY_PIECES = {"all_to_all": _pieces_all_to_all, "reduce_scatter": _pieces_reduce_scatter}
 
 
 def _shift(members, group, index, shapes, offset, value, failed: bool) -> tuple:
@@ -206,28 +263,35 @@ def _native_reduce_scatter(ins, group, index, shapes, value, owned):
 
 def _native_all_to_all(ins, group, index, shapes, value, owned):
     # member j holds shard j along ``dim`` (lengths from shapes) and all of ``dim2``; member i
-    # gets chunk i along dim2 of every shard, joined along dim
+    # gets chunk i along dim2 of every shard, joined along dim. Uneven: at most one copy into the
+    # send buffer and one joining what arrived, none where the layouts allow
     k, dim, dim2 = len(shapes), ins.dim, ins.dim2
     m = value.shape[dim2]
     extents = [chunk_extent(m, k, i) for i in range(k)]
     if m % k == 0 and all(s == shapes[0] for s in shapes):
-        # even: one copy into [k, piece] order, one exchange, one copy joining the pieces
+        # even: [k, piece] order (no copy where dim2 is the outermost dim longer than one), one
+        # exchange, the pieces joined (a view where dim is)
         send = value.unflatten(dim2, (k, m // k)).movedim(dim2, 0).contiguous()
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=group)
         return recv.movedim(0, dim).flatten(dim, dim + 1)
-    pieces = [value.narrow(dim2, e.offset, e.length).contiguous().reshape(-1) for e in extents]
-    send = torch.cat(pieces) if pieces else value.new_empty(0)
-    recv_shapes = []
-    for j in range(k):
-        s = list(shapes[j])
-        s[dim2] = extents[index].length
-        recv_shapes.append(tuple(s))
+    pieces = [value.narrow(dim2, e.offset, e.length) for e in extents]
+    send_sizes = [p.numel() for p in pieces]
+    if value.is_contiguous() and all(n == 1 for n in value.shape[:dim2]):
+        send = value.reshape(-1)  # the pieces are consecutive slices of the source already
+    else:
+        send = value.new_empty(sum(send_sizes))
+        for piece, start in zip(pieces, itertools.accumulate([0] + send_sizes)):
+            send[start:start + piece.numel()].view(piece.shape).copy_(piece)  # one pass per piece
+    recv_shapes = [s[:dim2] + (extents[index].length,) + s[dim2 + 1:] for s in map(tuple, shapes)]
     recv_sizes = [math.prod(s) for s in recv_shapes]
     recv = value.new_empty(sum(recv_sizes))
-    dist.all_to_all_single(recv, send, recv_sizes, [p.numel() for p in pieces], group=group)
-    parts = recv.split(recv_sizes)
-    return torch.cat([p.view(s) for p, s in zip(parts, recv_shapes)], dim=dim)
+    dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
+    shape = list(recv_shapes[0])
+    shape[dim] = sum(s[dim] for s in recv_shapes)
+    if all(n == 1 for n in shape[:dim]):
+        return recv.view(shape)  # joined along the outermost dim longer than one: received in place
+    return torch.cat([p.view(s) for p, s in zip(recv.split(recv_sizes), recv_shapes)], dim=dim)
 
 
 _NATIVE = {
