@@ -251,6 +251,13 @@ def test_prepare_module_input_output_with_kwargs(mesh1d):
         assert out[0].placements == (dt.Replicate(),) and out[1].placements == (dt.Shard(0),)
         for got, want in zip(out, expected):
             assert_close(got, want)
+    # dtorch's own: one layout applies to every output of a tuple; fewer layouts than outputs
+    # leave the rest alone
+    x, mask = dt.distribute_tensor(a, mesh1d, [dt.Shard(1)]), dt.distribute_tensor(m, mesh1d, [dt.Shard(1)])
+    for desired, second in ((dt.Replicate(), dt.Replicate()), ((dt.Replicate(),), dt.Shard(1))):
+        mod = dt.nn.parallelize_module(Scaled(), mesh1d, dt.nn.PrepareModuleOutput(desired_output_layouts=desired))
+        out = mod(x, mask=mask)
+        assert len(out) == 2 and out[0].placements == (dt.Replicate(),) and out[1].placements == (second,)
 
 
 def test_prepare_module_output_and_sequence_parallel_on_a_block(mesh1d):

@@ -101,6 +101,7 @@ def _map_outputs(out, mesh, layouts, use_local):
     if isinstance(out, tuple):
         if not isinstance(layouts, (list, tuple)):
             layouts = (layouts,) * len(out)
+        layouts = tuple(layouts) + (None,) * (len(out) - len(layouts))  # outputs past them: left alone
         return tuple(_map_outputs(o, mesh, l, use_local) for o, l in zip(out, layouts))
     return out
 
@@ -108,7 +109,7 @@ def _map_outputs(out, mesh, layouts, use_local):
 def where_given(given, desired):
     """The desired layouts, except that (as in torch) an input or output whose entry in the
     given layouts is None is left alone; without given layouts, the desired ones."""
-    if given is None or desired is None:
+    if given is None or desired is None or not (isinstance(given, tuple) or isinstance(desired, tuple)):
         return desired
     if not isinstance(given, tuple):
         given = (given,)
