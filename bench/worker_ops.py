@@ -1,6 +1,6 @@
 """A worker's own cost per small op, around the kernel: the Python path against the native one.
 
-    python bench/worker_ops.py [--ops 3000] [--rounds 7] [--json out.json]
+    python bench/worker_ops.py [--ops 3000] [--rounds 7] [--device cpu|cuda] [--json out.json]
 
 The op streams of bench/_streams.py (``add``: ``a + a`` repeated; ``mix``: the dependent chain
 add, mul, relu) on 64x64 float32 shards are captured as the controller sends them (inline
@@ -19,7 +19,8 @@ runner, 2 ranks, Calls and the Deletes of dropped results), then rank 0's batche
                 the same after ``wire.decode`` of each batch's bytes: what a process-runner
                 worker does per frame (native: Call records read in C++ as well)
 
-Every row is time per op (the batch's time over its Calls) with its ratio to the kernel row;
+With ``--device cuda`` (the dtorch_nccl plugin installed) the kernels run on the GPU, the worker
+on its compute stream, and every side ends with a device synchronisation. Every row is time per op (the batch's time over its Calls) with its ratio to the kernel row;
 the worker rows also give their overhead outside the kernel (worker - kernel, in us per op),
 against issue 18's target of <= 1 us, and the same against "kernel, kept". Rounds interleave the
 sides; the minimum is reported.
@@ -55,8 +56,19 @@ from dtorch_core.plugins import get_plugins
 from dtorch_core.runners.process import for_rank
 from dtorch_core.worker import native
 from dtorch_core.worker.loop import Worker
+from dtorch_core.worker.streams import make_streams
 
 aten = torch.ops.aten
+DEVICE = torch.device("cpu")  # --device: where the kernels run (the worker's device)
+
+
+def inputs() -> tuple:
+    return tuple(t.to(DEVICE) for t in local_inputs())
+
+
+def synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 _decoder = importlib.import_module("dtorch_core.ir.wire.decode")  # the package re-exports the function
 
 
@@ -92,7 +104,7 @@ def capture(stream: str, steps: int) -> tuple[list, list]:
 
 def kernel_loop(stream: str, n: int) -> float:
     """Seconds for ``n`` steps of ``stream`` as bare ``_op`` calls (the anchor)."""
-    a, b = local_inputs()
+    a, b = inputs()
     add, mul, relu = aten.add.Tensor._op, aten.mul.Tensor._op, aten.relu.default._op
     t0 = time.perf_counter()
     if stream == "add":
@@ -101,12 +113,13 @@ def kernel_loop(stream: str, n: int) -> float:
     else:
         for _ in range(n):
             relu(mul(add(a, b), b))
+    synchronize()
     return time.perf_counter() - t0
 
 
 def kernel_kept_loop(stream: str, n: int, keep: int = 256) -> float:
     """``kernel_loop`` with every op's result kept until ``keep`` of them are held."""
-    a, b = local_inputs()
+    a, b = inputs()
     add, mul, relu = aten.add.Tensor._op, aten.mul.Tensor._op, aten.relu.default._op
     held: list = []
     hold = held.append
@@ -125,31 +138,43 @@ def kernel_kept_loop(stream: str, n: int, keep: int = 256) -> float:
             hold(relu(u))
             if len(held) >= keep:
                 held.clear()
+    synchronize()
     return time.perf_counter() - t0
 
 
 def eager_loop(stream: str, n: int) -> float:
-    a, b = local_inputs()
+    a, b = inputs()
     step, _ = STREAMS[stream]
     t0 = time.perf_counter()
     for _ in range(n):
         step(a, b)
+    synchronize()
     return time.perf_counter() - t0
 
 
 def fresh_worker(setup: list, native_path: bool) -> Worker:
-    w = Worker(0, torch.device("cpu"), get_plugins().registry("kernels"), None, lambda reply: None,
+    registry = get_plugins().registry
+    streams = make_streams(registry("streams"), DEVICE.type, 0)
+    w = Worker(0, streams.device, registry("kernels"), None, lambda reply: None, streams=streams,
                world_size=2, native_path=native_path)
-    for batch in setup:
-        w.run_batch(batch)
+    run_batches(w, setup)
     return w
+
+
+def run_batches(w: Worker, batches: list) -> None:
+    """``batches`` on ``w`` as a runner runs them (inside its streams), to the device's end."""
+    def run():
+        for batch in batches:
+            w.run_batch(batch)
+
+    w.streams.run(run)
+    w.streams.synchronize()
 
 
 def worker_run(setup: list, batches: list, native_path: bool) -> float:
     w = fresh_worker(setup, native_path)
     t0 = time.perf_counter()
-    for batch in batches:
-        w.run_batch(batch)
+    run_batches(w, batches)
     return time.perf_counter() - t0
 
 
@@ -158,10 +183,15 @@ def worker_decode_run(setup: list, frames: list, native_path: bool) -> float:
     decode = wire.decode
     native_reader = _decoder._read_calls
     _decoder._read_calls = native_reader if native_path else None
-    try:
-        t0 = time.perf_counter()
+
+    def run():
         for data in frames:
             w.run_batch(decode(data))
+
+    try:
+        t0 = time.perf_counter()
+        w.streams.run(run)
+        w.streams.synchronize()
         return time.perf_counter() - t0
     finally:
         _decoder._read_calls = native_reader
@@ -172,8 +202,7 @@ def check_same(setup: list, batches: list) -> float:
     stores = []
     for native_path in (False, True):
         w = fresh_worker(setup, native_path)
-        for batch in batches:
-            w.run_batch(batch)
+        run_batches(w, batches)
         stores.append(w.store)
     py, nat = stores
     if py.keys() != nat.keys():
@@ -186,13 +215,17 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=3000, help="ops per stream and round")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (with the dtorch_nccl plugin)")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(1)
     if native.active() != "native":
         raise SystemExit(f"the native worker path is not available: {native.active()}")
 
     results = {}
     load = os.getloadavg()
+    print(f"device {DEVICE}, torch {torch.__version__}, {args.rounds} rounds (the minimum is shown)")
     for stream, (_, ops_per_step) in STREAMS.items():
         steps = max(1, args.ops // ops_per_step)
         setup, batches = capture(stream, steps)

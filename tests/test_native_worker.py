@@ -36,7 +36,7 @@ from dtorch_core.worker.kernels import KernelRegistry
 from dtorch_core.worker.loop import LocalPlan, Worker
 from dtorch_core.worker.streams import WorkerStreams
 
-from .helpers import DEVICE, WORLD_SIZE, S
+from .helpers import DEVICE, WORLD_SIZE, S, bad_index_raises
 
 # the comparisons force each path on their own workers, so they run under DTORCH_NATIVE_WORKER=0 too
 needs_native = pytest.mark.skipif(not native.available(), reason=f"the extension is not built: {native.active()}")
@@ -307,8 +307,9 @@ def _thread_workers():
     return session_module._session.runner.workers
 
 
-def _set_path(native_path: bool):
-    """The thread runner's workers on one path; plans are made again, with templates or without."""
+def _set_path(native_path: bool | None):
+    """The thread runner's workers on one path (None: the one the environment says); plans are
+    made again, with templates or without."""
     dt.synchronize()
     for w in _thread_workers():
         w.run_calls = native.runner(LocalPlan, native_path)
@@ -323,25 +324,48 @@ def _failure_message(x, idx):
     raise AssertionError("the out-of-range index did not fail")
 
 
-@needs_native
-def test_thread_runner_both_paths_same_results_and_errors(runner, mesh1d):
+def _on_both_thread_paths(runner, step) -> dict:
+    """``step()`` with the thread runner's workers on the Python path, then on the native one."""
     if runner != "thread":
         pytest.skip("toggles the thread runner's workers in this process")
-    a = torch.randn(WORLD_SIZE * 2 + 1, 4)
-    results = {}
-    for native_path in (False, True):
-        _set_path(native_path)
-        x = dt.distribute_tensor(a, mesh1d, [S(0)])
-        y = torch.tanh(x * 2 - x.exp())
-        idx = dt.distribute_tensor(torch.tensor([0, 9]), mesh1d, [dt.Replicate()])
-        results[native_path] = (y.full_tensor(), _failure_message(x, idx))
-    assert torch.equal(results[False][0], results[True][0])
-    assert torch.allclose(results[True][0], torch.tanh(a * 2 - a.exp()))
-    assert results[False][1] == results[True][1]
-    assert "index" in results[True][1]
+    try:
+        return {native_path: (_set_path(native_path), step())[1] for native_path in (False, True)}
+    finally:
+        _set_path(None)
 
 
 @needs_native
+def test_thread_runner_both_paths_same_results(runner, mesh1d):
+    a = torch.randn(WORLD_SIZE * 2 + 1, 4)
+
+    def step():
+        x = dt.distribute_tensor(a, mesh1d, [S(0)])
+        values, indices = torch.max(torch.tanh(x * 2 - x.exp()), dim=1)
+        return values.full_tensor().cpu(), indices.full_tensor().cpu()
+
+    results = _on_both_thread_paths(runner, step)
+    assert all(torch.equal(p, n) for p, n in zip(results[False], results[True]))
+    values, indices = torch.max(torch.tanh(a * 2 - a.exp()), dim=1)
+    assert torch.allclose(results[True][0], values, rtol=1e-5, atol=1e-6)
+    assert torch.equal(results[True][1], indices)
+
+
+@needs_native
+@bad_index_raises
+def test_thread_runner_both_paths_same_errors(runner, mesh1d):
+    a = torch.randn(WORLD_SIZE * 2 + 1, 4)
+
+    def step():
+        x = dt.distribute_tensor(a, mesh1d, [S(0)])
+        return _failure_message(x, dt.distribute_tensor(torch.tensor([0, 9]), mesh1d, [dt.Replicate()]))
+
+    messages = _on_both_thread_paths(runner, step)
+    assert messages[False] == messages[True]
+    assert "index" in messages[True]
+
+
+@needs_native
+@bad_index_raises
 def test_process_runner_python_path_gives_the_same_error(runner, mesh1d, monkeypatch):
     if runner != "process":
         pytest.skip("starts process workers on the Python path beside the native ones")
