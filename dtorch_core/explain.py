@@ -115,6 +115,7 @@ class OpRecord:
 class _Frame:
     record: OpRecord
     gathered: bool = False
+    inner_fallbacks: int = 0  # fallback runs of the ops inside this one (theirs, not its own)
 
 
 class Explanation:
@@ -213,7 +214,10 @@ class Explanation:
             stack.pop()
             record.surprising_gather = frame.gathered
             if session is not None:
-                record.fallback = sum(session.fallback_counts.values()) > fallbacks
+                ran = sum(session.fallback_counts.values()) - fallbacks
+                record.fallback = ran > frame.inner_fallbacks
+                if stack:
+                    stack[-1].inner_fallbacks += ran
         results: list = []
         _tensors(out, results)
         record.outputs = tuple(self._info(t) for t in results)

@@ -104,16 +104,33 @@ def test_explain_tp_mlp_placements_and_bytes(mesh1d, hot_path):
     assert reduce.requested and reduce.module == "MLP.fc2" and reduce.op == "redistribute"
     (move,) = reduce.redistributions
     assert (move.kind, move.src, move.dst, move.mesh_dim) == ("all_reduce", (dt.Partial("sum"),), (R,), 0)
-    assert move.nbytes == 3 * 5 * torch.float32.itemsize
-    assert ex.collectives() == {"all_reduce": {"count": 1, "bytes": 60}}
+    nbytes = 3 * 5 * torch.float32.itemsize  # the (3, 5) output of fc2
+    assert move.nbytes == nbytes
+    assert ex.collectives() == {"all_reduce": {"count": 1, "bytes": nbytes}}
     modules = ex.modules()
     assert list(modules) == ["MLP.fc1", "MLP", "MLP.fc2"]
-    assert modules["MLP.fc2"]["collectives"] == {"all_reduce": {"count": 1, "bytes": 60}}
+    assert modules["MLP.fc2"]["collectives"] == {"all_reduce": {"count": 1, "bytes": nbytes}}
     assert modules["MLP.fc1"]["collectives"] == {} and modules["MLP.fc1"]["ops"] == 2  # t, addmm
     text = str(ex)
-    assert "MLP.fc2: 2 ops; collectives: all_reduce x1 (60 B)" in text
-    assert "all_reduce [P(sum)]->[R] on mesh dim 0: 60 B" in text and "(3,10)[S(1)]" in text
-    assert json.loads(json.dumps(ex.to_dict()))["collectives"] == {"all_reduce": {"count": 1, "bytes": 60}}
+    assert f"MLP.fc2: 2 ops; collectives: all_reduce x1 ({nbytes} B)" in text
+    assert f"all_reduce [P(sum)]->[R] on mesh dim 0: {nbytes} B" in text and "(3,10)[S(1)]" in text
+    assert json.loads(json.dumps(ex.to_dict()))["collectives"] == {"all_reduce": {"count": 1, "bytes": nbytes}}
+
+
+def test_explain_on_a_2d_mesh_names_the_mesh_dim(mesh2d, runner):
+    ref, model = _tp_mlp(mesh2d["tp"])
+    xs = torch.randn(3, 6)  # 3 rows over "dp": 2 and 1
+    x = dt.distribute_tensor(xs, mesh2d, [dt.Shard(0), R])
+    ex = dt.explain(model, x)
+    assert_close(ex.result.full_tensor(), ref(xs).detach())
+    fc1 = next(r for r in ex.ops if r.module == "MLP.fc1" and r.op == "aten.addmm.default")
+    assert fc1.outputs[0].placements == (dt.Shard(0), dt.Shard(1))
+    (reduce,) = [r for r in ex.ops if r.redistributions]
+    (move,) = reduce.redistributions
+    assert (move.kind, move.src, move.dst, move.mesh_dim) == (
+        "all_reduce", (dt.Shard(0), dt.Partial("sum")), (dt.Shard(0), R), 1)
+    assert move.nbytes == 3 * 5 * torch.float32.itemsize  # the global tensor, whatever the dp shards
+    assert "all_reduce [S(0), P(sum)]->[S(0), R] on mesh dim 1" in str(ex)
 
 
 def _line_of(snippet: str) -> int:
@@ -154,6 +171,20 @@ def test_explain_nested_and_requested_moves(mesh1d, hot_path):
         ("all_gather", (dt.Shard(0),), (R,), 7 * 5 * 4)]
     assert [r.op for r in ex.ops[1:] if r.depth == 0] == ["aten.mul.Tensor", "aten.sum.default"]
     assert not any(r.surprising_gather for r in ex.ops)
+
+
+@pytest.mark.filterwarnings("ignore:dtorch.*no sharding rule")
+def test_explain_marks_the_replicated_fallback(mesh1d, hot_path):
+    a = torch.randn(6, 4)
+    x = dt.distribute_tensor(a, mesh1d, [dt.Shard(0)])
+    ex = dt.explain(lambda t: torch.cummax(t, 1).values * 2, x)  # cummax has no sharding rule
+    assert_close(ex.result.full_tensor(), torch.cummax(a, 1).values * 2)
+    (cummax,) = [r for r in ex.ops if r.op == "aten.cummax.default"]
+    assert cummax.fallback and not cummax.surprising_gather
+    assert [(m.kind, m.src, m.dst, m.nbytes) for m in cummax.redistributions] == [
+        ("all_gather", (dt.Shard(0),), (R,), 6 * 4 * 4)]
+    assert not any(r.fallback for r in ex.ops if r is not cummax)
+    assert "replicated fallback" in str(ex)
 
 
 def test_fused_qkv_split_warns_once_and_is_counted(mesh1d, hot_path):
@@ -285,5 +316,5 @@ def test_dtorch_run_explain(tmp_path, to_file):
     else:
         text = proc.stderr
         assert "dt.explain:" in text and "Sequential.2:" in text
-        assert "all_reduce [P(sum)]->[R] on mesh dim 0: 60 B  requested" in text
+        assert f"all_reduce [P(sum)]->[R] on mesh dim 0: {3 * 5 * 4} B  requested" in text
         assert "\n  2      addmm" in text  # the two calls of the same op and line are one row
