@@ -175,3 +175,18 @@ def test_integer_indexing_is_unchanged(mesh):
     out = x[_on(mesh, idx, (R, R))]
     _same(out, t[idx])
     assert out.placements == x.placements  # the integer rule keeps the unindexed dim's shards
+
+
+def test_changing_counts_define_no_new_worker_plans(mesh):
+    from dtorch_core.controller import session as session_module
+
+    session = session_module._session
+    defined = []
+    for seed, density in enumerate((1.0, 0.6, 0.0, 0.3, 0.9)):  # from every element selected to none
+        t = _values((10, 6), density, seed=20 + seed)
+        x = _on(mesh, t, (S0, S1))
+        _same(x[x > 0], t[t > 0])
+        _same(torch.nonzero(x), torch.nonzero(t))
+        _same(torch.unique(x), torch.unique(t))
+        defined.append(len(session.plan_names))
+    assert len(set(defined)) == 1, defined  # the first call defines the worker plans, the rest reuse them

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import torch
 
 from ..ir.instructions import Slot
@@ -57,14 +58,24 @@ def _spec(mesh, placements, shape, dtype) -> TensorSpec:
     return TensorSpec(mesh, tuple(placements), tuple(shape), contiguous_stride(shape), dtype)
 
 
-def _call(session, mesh, target, inputs, per_rank, spec, view, op_name):
-    """Run worker call ``target`` on ``inputs`` (placed as the call needs them): one output."""
-    key = ("data-dependent", target, tuple(x._spec for x in inputs), repr(sorted(per_rank.items())), spec)
+def _call(session, mesh, target, inputs, per_rank, specs, view, op_name, rebuild=None):
+    """Run worker call ``target`` on ``inputs`` (placed as the call needs them), giving outputs
+    of ``specs`` (one spec: one output). The worker's plan is defined once per target, input
+    specs and arguments: output sizes that change from call to call (they follow the values)
+    reuse it, so a loop over masks of changing counts defines nothing new."""
+    specs = (specs,) if isinstance(specs, TensorSpec) else tuple(specs)
+    # the inputs' sizes are left out too (a worker plan names tensors, not shapes): gathered
+    # selections change size with the values
+    key = ("data-dependent", target, tuple((x._spec.mesh, x._spec.placements, x._spec.dtype) for x in inputs),
+           repr(sorted(per_rank.items())))
     plan = session.plans.get(key)
+    views = tuple(view_for(s, view) for s in specs)
     if plan is None:
         plan = session.plans[key] = kernel_plan(
-            session, mesh, target, per_rank, op_name=op_name, pure=True, n_inputs=len(inputs), out_specs=(spec,),
-            out_views=(view_for(spec, view),), rebuild=lambda outs: outs[0])
+            session, mesh, target, per_rank, op_name=op_name, pure=True, n_inputs=len(inputs), out_specs=specs,
+            out_views=views, rebuild=rebuild or (lambda outs: outs[0]))
+    elif plan.out_specs != specs or plan.out_views != views:
+        plan = attrs.evolve(plan, out_specs=specs, out_views=views)  # the same worker plan
     return plan.run(session, (), {}, list(inputs))
 
 
@@ -80,28 +91,32 @@ def _select(x: DTensor, values: DTensor | None, op_name: str, *, unravel: bool =
     slots = (Slot(0),) if values is None else (Slot(0), Slot(1))
     inputs = [x] if values is None else [x, values]
     one_each = _spec(mesh, [Shard(m) for m in range(mesh.ndim)], mesh.shape, torch.int64)
-    counts = fetch_full(_call(session, mesh, COUNT, [x], {r: ((Slot(0),), {"ndim": mesh.ndim}) for r in mesh.ranks},
-                              one_each, None, op_name))  # the sync point
+    counts = _call(session, mesh, COUNT, [x], {r: ((Slot(0),), {"ndim": mesh.ndim}) for r in mesh.ranks}, one_each,
+                   None, op_name)
+    # every rank learns the widest shard's count from the gathered counts (the controller's
+    # sizes are not arguments of the worker plans: those stay the same from call to call)
+    counts = issue_redistribute(counts, (Replicate(),) * mesh.ndim, op_name=op_name)
+    known = fetch_full(counts)  # the sync point
     sharded = [m for m, p in enumerate(x._spec.placements) if isinstance(p, Shard)]
-    width = int(counts.max())
+    width = int(known.max())
     pieces = {}  # the count of each piece of the gathered vector (ranks along replicated dims agree)
     per_rank = {}
     for rank in mesh.ranks:
         coord = root_coordinate(mesh, rank)
         region = x._spec.region(coord)
-        per_rank[rank] = (slots, {"offsets": tuple(o for o, _ in region), "shape": x._spec.shape, "width": width})
-        pieces[tuple(coord[m] for m in sharded)] = int(counts[coord])
+        per_rank[rank] = (slots + (Slot(len(slots)),), {"offsets": tuple(o for o, _ in region), "shape": x._spec.shape})
+        pieces[tuple(coord[m] for m in sharded)] = int(known[coord])
     n_pieces = math.prod(mesh.shape[m] for m in sharded)  # = len(pieces)
     gathered_pl = [Shard(0) if m in sharded else Replicate() for m in range(mesh.ndim)]
     dtype = torch.int64 if values is None else values.dtype
     # positions and values travel as one int64 vector: a value is at most 8 bytes
-    padded = _call(session, mesh, PADDED, inputs, per_rank,
+    padded = _call(session, mesh, PADDED, inputs + [counts], per_rank,
                    _spec(mesh, gathered_pl, (n_pieces * width * (1 if values is None else 2),), torch.int64),
                    None, op_name)
     gathered = issue_redistribute(padded, (Replicate(),) * mesh.ndim, op_name=op_name)
     total = sum(pieces.values())
     out_shape = (total, x.ndim) if values is None and unravel else (total,)
-    finish = {"width": width, "values": None if values is None else dtype, "shape": x._spec.shape,
+    finish = {"pieces": n_pieces, "values": None if values is None else dtype, "shape": x._spec.shape,
               "unravel": unravel}
     return _call(session, mesh, FINISH, [gathered], {r: ((Slot(0),), finish) for r in mesh.ranks},
                  _spec(mesh, (Replicate(),) * mesh.ndim, out_shape, dtype), view, op_name)
@@ -228,17 +243,10 @@ def _replicated(func, args, kwargs):
         dtype, ndim = _DTYPES[report[pos]], report[pos + 1]
         specs.append(_spec(mesh, everywhere, report[pos + 2:pos + 2 + ndim], dtype))
         pos += 2 + ndim
-    key = ("data-dependent", func, tuple(t._spec for t in rep), repr(template_args), repr(template_kwargs),
-           tuple(specs))
-    plan = session.plans.get(key)
-    if plan is None:
-        metas = tuple(torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs)
-        _, rebuild = flatten_outputs(metas if len(func._schema.returns) > 1 else metas[0])
-        plan = session.plans[key] = kernel_plan(
-            session, mesh, func.name(), {r: (template_args, template_kwargs) for r in mesh.ranks}, op_name=str(func),
-            pure=True, n_inputs=len(rep), out_specs=tuple(specs),
-            out_views=tuple(view_for(s, view) for s in specs), rebuild=rebuild)
-    return plan.run(session, (), {}, rep)
+    metas = tuple(torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs)
+    _, rebuild = flatten_outputs(metas if len(func._schema.returns) > 1 else metas[0])
+    return _call(session, mesh, func.name(), rep, {r: (template_args, template_kwargs) for r in mesh.ranks}, specs,
+                 view, str(func), rebuild)
 
 
 def _put_replicated(session, t: torch.Tensor, mesh) -> DTensor:
@@ -277,8 +285,11 @@ def select_count_kernel(mask, *, ndim):
     return torch.count_nonzero(mask).to(torch.int64).reshape((1,) * ndim)
 
 
-def select_padded_kernel(mask, values=None, *, offsets, shape, width):
-    """This shard's selected global positions (and values) padded with -1 to ``width``."""
+def select_padded_kernel(mask, *rest, offsets, shape):
+    """This shard's selected global positions (and values) padded with -1 to the widest shard's
+    count (``rest``: the values, if any, then every rank's count)."""
+    values, counts = rest if len(rest) == 2 else (None, rest[0])
+    width = int(counts.max())
     pos = _global_positions(mask, offsets, shape)
     out = torch.full((width * (1 if values is None else 2),), -1, dtype=torch.int64, device=mask.device)
     out[:pos.numel()] = pos
@@ -288,9 +299,10 @@ def select_padded_kernel(mask, values=None, *, offsets, shape, width):
     return out
 
 
-def select_finish_kernel(gathered, *, width, values, shape, unravel):
+def select_finish_kernel(gathered, *, pieces, values, shape, unravel):
     """Drop the padding of the gathered pieces and sort by position: nonzero's rows (values
     None; the sorted positions if not ``unravel``) or the selected values in their dtype."""
+    width = gathered.numel() // (pieces * (1 if values is None else 2))
     if width == 0:
         if values is not None:
             return torch.zeros(0, dtype=values, device=gathered.device)
