@@ -21,12 +21,15 @@ class TensorSpec:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
+    # the native hot path's arguments for a handle of this spec (native/fastpath.cpp), made there
+    # at first use; not part of the value
+    _native_wrapper: object = attrs.field(default=None, init=False, eq=False, hash=False, repr=False)
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
 
-    def with_placements(self, placements) -> "TensorSpec":
+    def with_placements(self, placements) -> TensorSpec:
         return attrs.evolve(self, placements=tuple(placements))
 
     def is_replicated(self) -> bool:

@@ -14,6 +14,11 @@
 #include <structmember.h>
 #include <nanobind/nanobind.h>
 
+#include <unordered_map>
+
+#include "encode_calls.h"
+#include "slots.h"
+
 namespace nb = nanobind;
 
 namespace {
@@ -28,12 +33,78 @@ struct Config {
     PyObject *fallback = nullptr;     // dtorch_core.planner.dispatch.dispatch(func, args, kwargs)
     PyObject *internal_code = nullptr;// dtorch_core.planner.source._internal_code (code -> bool)
     PyObject *prefixes = nullptr;     // tuple of path prefixes of internal code (str.startswith)
+    PyObject *spec = nullptr;         // dtorch_core.spec.TensorSpec
     PyObject *wrapper_kwnames = nullptr;
     PyObject *empty_tuple = nullptr;
     PyObject *empty_dict = nullptr;
+    PyObject *s_strides = nullptr, *s_dtype = nullptr, *s_device = nullptr;
+    // slots read and written by offset (-1: not a slot; then the attribute path is taken)
+    Py_ssize_t spec_hash = -1;        // TensorSpec._attrs_cached_hash (attrs' cache_hash)
+    Py_ssize_t spec_wrapper = -1;     // TensorSpec._native_wrapper
+    Py_ssize_t call_slots[5] = {-1, -1, -1, -1, -1};  // Call's plan_id, inputs, outputs, source, seed
+    bool call_slotted = false;
+    bool known_hash = false;          // key hashes computed here equal Python's (checked at configure)
     bool ready = false;
 };
 Config cfg;
+
+// -- the plan-cache key's hash ---------------------------------------------------------------
+// A lookup hashes its key; Python would call OpOverload.__hash__ and TensorSpec.__hash__ (Python
+// functions) for every op. The key's hash is computed here instead from the parts' hashes, with
+// CPython's tuple hash (Objects/tupleobject.c, the same since 3.8; configure() checks it against
+// hash() and turns this off if they differ): an op's hash is kept per op object, a spec's is the
+// one attrs cached on it. The dict then compares keys as ever, so a hit is the Python path's hit.
+static_assert(sizeof(Py_uhash_t) == 8, "the tuple hash below is CPython's 64-bit one");
+struct TupleHash {
+    Py_uhash_t acc = 2870177450012600261ULL;
+    Py_ssize_t n = 0;
+    void add(Py_hash_t lane) {
+        acc += (Py_uhash_t)lane * 14029467366897019727ULL;
+        acc = (acc << 31) | (acc >> 33);
+        acc *= 11400714785074694791ULL;
+        ++n;
+    }
+    Py_hash_t done() const {
+        Py_uhash_t h = acc + ((Py_uhash_t)n ^ (2870177450012600261ULL ^ 3527539UL));
+        return h == (Py_uhash_t)-1 ? 1546275796 : (Py_hash_t)h;
+    }
+};
+
+std::unordered_map<PyObject *, Py_hash_t> op_hashes;  // op -> hash(op); the ops are kept alive
+
+Py_hash_t op_hash(PyObject *op) {
+    auto it = op_hashes.find(op);
+    if (it != op_hashes.end()) return it->second;
+    Py_hash_t h = PyObject_Hash(op);
+    if (h == -1) return -1;
+    Py_INCREF(op);
+    op_hashes.emplace(op, h);
+    return h;
+}
+
+Py_hash_t spec_hash(PyObject *spec) {
+    if (cfg.spec_hash >= 0 && Py_TYPE(spec) == (PyTypeObject *)cfg.spec) {
+        PyObject *cached = slot_get(spec, cfg.spec_hash);
+        if (cached && PyLong_Check(cached)) {  // attrs keeps it in an int subclass
+            Py_hash_t h = PyLong_AsSsize_t(cached);
+            if (!(h == -1 && PyErr_Occurred())) return h == -1 ? -2 : h;  // as hash() returns it
+            PyErr_Clear();
+        }
+    }
+    return PyObject_Hash(spec);  // the first time: attrs computes and caches it
+}
+
+// hash(x) for a key built by key_of, recursively by the rule above (nullptr-free: -1 on error).
+Py_hash_t generic_hash(PyObject *x) {
+    if (!PyTuple_CheckExact(x)) return PyObject_Hash(x);
+    TupleHash h;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(x); ++i) {
+        Py_hash_t lane = generic_hash(PyTuple_GET_ITEM(x, i));
+        if (lane == -1) return -1;
+        h.add(lane);
+    }
+    return h.done();
+}
 
 // Interned attribute names.
 PyObject *s_spec, *s_handle, *s_view, *s_session, *s_tid, *s_closed, *s_plans, *s_fast, *s_run,
@@ -61,38 +132,109 @@ struct Ref {
 enum class Key { ok, python, error };
 
 // The cache key of `x` (dispatch.py's _key_of): DTensor -> its spec (and `x` joins `inputs`),
-// tuple/list -> tuple of keys, float/int/bool -> (type, value), any other non-tensor -> itself.
-// A plain tensor (or a DTensor subclass) gives Key::python: the Python dispatcher handles it.
-Key key_of(PyObject *x, PyObject *inputs, PyObject **out) {
+// tuple/list -> tuple of keys, float/int/bool -> (type, value), any other non-tensor -> itself;
+// and its hash in `*hash` (-1: unhashable, so no plan can be stored under it: the Python path
+// says what it does with it). A plain tensor (or a DTensor subclass) gives Key::python: the
+// Python dispatcher handles it.
+Key key_of(PyObject *x, PyObject *inputs, PyObject **out, Py_hash_t *hash) {
     PyTypeObject *t = Py_TYPE(x);
     if ((PyObject *)t == cfg.dtensor) {
         if (PyList_Append(inputs, x) < 0) return Key::error;
         *out = PyObject_GetAttr(x, s_spec);
-        return *out ? Key::ok : Key::error;
+        if (!*out) return Key::error;
+        if ((*hash = spec_hash(*out)) == -1) PyErr_Clear();
+        return Key::ok;
     }
     if (t == &PyTuple_Type || t == &PyList_Type) {
         Py_ssize_t n = PySequence_Fast_GET_SIZE(x);
         Ref tuple(PyTuple_New(n));
         if (!tuple) return Key::error;
+        TupleHash h;
+        bool hashable = true;
         for (Py_ssize_t i = 0; i < n; ++i) {
             PyObject *item = nullptr;
-            Key k = key_of(PySequence_Fast_GET_ITEM(x, i), inputs, &item);
+            Py_hash_t lane = -1;
+            Key k = key_of(PySequence_Fast_GET_ITEM(x, i), inputs, &item, &lane);
             if (k != Key::ok) return k;
             PyTuple_SET_ITEM(tuple.p, i, item);
+            if (lane == -1) hashable = false;
+            else h.add(lane);
         }
+        *hash = hashable ? h.done() : -1;
         *out = tuple.release();
         return Key::ok;
     }
     if (t == &PyFloat_Type || t == &PyLong_Type || t == &PyBool_Type) {
         *out = PyTuple_Pack(2, (PyObject *)t, x);
-        return *out ? Key::ok : Key::error;
+        if (!*out) return Key::error;
+        TupleHash h;
+        h.add(PyObject_Hash((PyObject *)t));  // C hashes of a type and a number: they cannot fail
+        h.add(PyObject_Hash(x));
+        *hash = h.done();
+        return Key::ok;
     }
     int is_tensor = PyObject_IsInstance(x, cfg.tensor);
     if (is_tensor < 0) return Key::error;
     if (is_tensor) return Key::python;
     Py_INCREF(x);
     *out = x;
+    if ((*hash = PyObject_Hash(x)) == -1) PyErr_Clear();
     return Key::ok;
+}
+
+// session.plans[key] (borrowed) or nullptr (a miss, or an unhashable key: no error set).
+PyObject *plan_for(PyObject *plans, PyObject *key, Py_hash_t hash) {
+    PyObject *plan;
+#if PY_VERSION_HEX < 0x030D0000
+    if (cfg.known_hash) {
+        if (hash == -1) return nullptr;
+        plan = _PyDict_GetItem_KnownHash(plans, key, hash);
+    } else
+#endif
+    {
+        (void)hash;
+        plan = PyDict_GetItemWithError(plans, key);
+    }
+    if (!plan) PyErr_Clear();
+    return plan;
+}
+
+// The (file, line) tuples of the last frames seen, by (code, instruction): a frame's line number
+// is found by walking its code's line table from the start (for every op, in every user function
+// that issues ops), and this also keeps one tuple per source line instead of one per op.
+struct SourceEntry {
+    PyObject *code = nullptr;  // strong references: the code's address cannot be reused
+    int lasti = -1;
+    PyObject *source = nullptr;
+};
+SourceEntry source_cache[256];
+
+PyObject *frame_source(PyFrameObject *frame, PyObject *code) {
+#if PY_VERSION_HEX >= 0x030B0000
+    int lasti = PyFrame_GetLasti(frame);
+    SourceEntry &entry = source_cache[(((uintptr_t)code >> 4) ^ ((uintptr_t)lasti * 2654435761u)) & 255];
+    if (entry.code == code && entry.lasti == lasti) {
+        Py_INCREF(entry.source);
+        return entry.source;
+    }
+#endif
+    Ref name(PyObject_GetAttr(code, s_co_filename));
+    if (!name) return nullptr;
+    Ref lineno(PyLong_FromLong(PyFrame_GetLineNumber(frame)));
+    if (!lineno) return nullptr;
+    PyObject *source = PyTuple_Pack(2, name.p, lineno.p);
+#if PY_VERSION_HEX >= 0x030B0000
+    if (source) {
+        Py_INCREF(code);
+        Py_INCREF(source);
+        Py_XDECREF(entry.code);
+        Py_XDECREF(entry.source);
+        entry.code = code;
+        entry.lasti = lasti;
+        entry.source = source;
+    }
+#endif
+    return source;
 }
 
 // (file, line) of the innermost frame outside dtorch and torch (planner/source.py's
@@ -119,13 +261,9 @@ PyObject *user_source() {
             }
         }
         if (!internal) {
-            Ref name(PyObject_GetAttr(code.p, s_co_filename));
-            int line = PyFrame_GetLineNumber(frame);
+            PyObject *source = frame_source(frame, code.p);
             Py_DECREF(frame);
-            if (!name) return nullptr;
-            Ref lineno(PyLong_FromLong(line));
-            if (!lineno) return nullptr;
-            return PyTuple_Pack(2, name.p, lineno.p);
+            return source;
         }
         PyFrameObject *back = PyFrame_GetBack(frame);  // new reference or NULL
         Py_DECREF(frame);
@@ -185,6 +323,18 @@ PyObject *handle_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     return (PyObject *)h;
 }
 
+// handle.session or handle.tid (a new reference), without an attribute lookup for our own Handle
+PyObject *handle_field(PyObject *handle, bool session) {
+    if (Py_TYPE(handle) == handle_type) {
+        PyObject *value = session ? ((HandleObject *)handle)->session : ((HandleObject *)handle)->tid;
+        if (value) {
+            Py_INCREF(value);
+            return value;
+        }
+    }
+    return PyObject_GetAttr(handle, session ? s_session : s_tid);
+}
+
 PyObject *new_handle(PyObject *tid, PyObject *session) {
     auto *h = (HandleObject *)handle_type->tp_alloc(handle_type, 0);
     if (!h) return nullptr;
@@ -208,17 +358,64 @@ PyType_Slot handle_slots[] = {
 };
 PyType_Spec handle_spec = {"dtorch_core._fastpath.Handle", sizeof(HandleObject), 0, Py_TPFLAGS_DEFAULT, handle_slots};
 
-// A new instance of a slotted class with its slots set, without running its __init__ (the
-// frozen attrs Call's __init__ only stores these fields).
-PyObject *make_slotted(PyObject *type, PyObject *const *names, PyObject *const *values, int n) {
-    Ref obj(PyBaseObject_Type.tp_new((PyTypeObject *)type, cfg.empty_tuple, nullptr));
+// A new Call with its fields set, without running its __init__ (the frozen attrs Call's
+// __init__ only stores them). It holds numbers, tuples of numbers and a source, so it can be in
+// no reference cycle: it leaves the garbage collector's lists, which a long stream of pending
+// Calls would otherwise make every collection walk; so do its tuples of ids.
+PyObject *make_call(PyObject *const *values) {
+    PyTypeObject *type = (PyTypeObject *)cfg.call;
+    Ref obj(cfg.call_slotted ? type->tp_alloc(type, 0)
+                             : PyBaseObject_Type.tp_new(type, cfg.empty_tuple, nullptr));
     if (!obj) return nullptr;
-    for (int i = 0; i < n; ++i)
-        if (PyObject_GenericSetAttr(obj.p, names[i], values[i]) < 0) return nullptr;
+    static PyObject *const *names[5] = {&s_plan_id, &s_inputs, &s_outputs, &s_source, &s_seed};
+    for (int i = 0; i < 5; ++i) {
+        if (cfg.call_slotted) slot_set(obj.p, cfg.call_slots[i], values[i]);
+        else if (PyObject_GenericSetAttr(obj.p, *names[i], values[i]) < 0) return nullptr;
+    }
+    if (cfg.call_slotted && PyObject_GC_IsTracked(obj.p)) {
+        PyObject_GC_UnTrack(obj.p);
+        for (int i = 1; i < 3; ++i)
+            if (PyObject_GC_IsTracked(values[i])) PyObject_GC_UnTrack(values[i]);
+    }
     return obj.release();
 }
 
+// The (args, kwargs) of torch.Tensor._make_wrapper_subclass for a handle of `spec` (borrowed),
+// made once per spec and kept on it (TensorSpec._native_wrapper): building the keyword arguments
+// for every op cost more than the rest of the op. `strides` is left out where it is the
+// contiguous one, torch's default (the same tensor, made faster); `requires_grad` is False, the
+// default. nullptr with no error: the spec has no such slot.
+PyObject *wrapper_args(PyObject *spec, PyObject *shape, PyObject *stride, PyObject *dtype, PyObject *device) {
+    if (cfg.spec_wrapper < 0 || Py_TYPE(spec) != (PyTypeObject *)cfg.spec) return nullptr;
+    PyObject *kept = slot_get(spec, cfg.spec_wrapper);
+    if (kept && kept != Py_None) return kept;
+    bool contiguous = PyTuple_CheckExact(shape) && PyTuple_CheckExact(stride) &&
+                      PyTuple_GET_SIZE(shape) == PyTuple_GET_SIZE(stride);
+    long long expected = 1;
+    for (Py_ssize_t i = contiguous ? PyTuple_GET_SIZE(shape) - 1 : -1; i >= 0; --i) {
+        long long size = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, i));
+        long long step = PyLong_AsLongLong(PyTuple_GET_ITEM(stride, i));
+        if (PyErr_Occurred()) return nullptr;
+        if (step != expected) contiguous = false;
+        expected *= size > 1 ? size : 1;
+    }
+    Ref args(PyTuple_Pack(2, cfg.dtensor, shape));
+    Ref kwargs(PyDict_New());
+    if (!args || !kwargs) return nullptr;
+    if ((!contiguous && PyDict_SetItem(kwargs.p, cfg.s_strides, stride) < 0) ||
+        PyDict_SetItem(kwargs.p, cfg.s_dtype, dtype) < 0 || PyDict_SetItem(kwargs.p, cfg.s_device, device) < 0)
+        return nullptr;
+    Ref both(PyTuple_Pack(2, args.p, kwargs.p));
+    if (!both) return nullptr;
+    slot_set(spec, cfg.spec_wrapper, both.p);
+    return both.p;  // the spec holds it
+}
+
+// ops served here, and ops handed to the Python dispatcher (for tests and benchmarks)
+unsigned long long native_ops = 0, python_ops = 0;
+
 PyObject *python_path(PyObject *func, PyObject *args, PyObject *kwargs) {
+    ++python_ops;
     PyObject *call_args[3] = {func, args, kwargs};
     return PyObject_Vectorcall(cfg.fallback, call_args, 3, nullptr);
 }
@@ -240,10 +437,10 @@ PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs) {
     for (Py_ssize_t i = 0; i < n_in; ++i) {
         Ref handle(PyObject_GetAttr(PyList_GET_ITEM(inputs, i), s_handle));
         if (!handle) return nullptr;
-        Ref owner(PyObject_GetAttr(handle.p, s_session));
+        Ref owner(handle_field(handle.p, true));
         if (!owner) return nullptr;
         if (owner.p != session) return nullptr;  // inputs of several sessions: Python raises
-        PyObject *tid = PyObject_GetAttr(handle.p, s_tid);
+        PyObject *tid = handle_field(handle.p, false);
         if (!tid) return nullptr;
         PyTuple_SET_ITEM(tids.p, i, tid);
     }
@@ -263,9 +460,13 @@ PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs) {
         PyTuple_SET_ITEM(out_tids.p, i, tid);
         if (PyObject_SetAttr(session, s_tid_counter, tid) < 0) return nullptr;
 
-        PyObject *wrapper_args[6] = {cfg.dtensor, PyTuple_GET_ITEM(o, 2), PyTuple_GET_ITEM(o, 3),
-                                     PyTuple_GET_ITEM(o, 4), PyTuple_GET_ITEM(o, 5), Py_False};
-        Ref tensor(PyObject_Vectorcall(cfg.make_wrapper, wrapper_args, 2, cfg.wrapper_kwnames));
+        PyObject *made = wrapper_args(PyTuple_GET_ITEM(o, 0), PyTuple_GET_ITEM(o, 2), PyTuple_GET_ITEM(o, 3),
+                                      PyTuple_GET_ITEM(o, 4), PyTuple_GET_ITEM(o, 5));
+        if (!made && PyErr_Occurred()) return nullptr;
+        PyObject *call_args[6] = {cfg.dtensor, PyTuple_GET_ITEM(o, 2), PyTuple_GET_ITEM(o, 3),
+                                  PyTuple_GET_ITEM(o, 4), PyTuple_GET_ITEM(o, 5), Py_False};
+        Ref tensor(made ? PyObject_Call(cfg.make_wrapper, PyTuple_GET_ITEM(made, 0), PyTuple_GET_ITEM(made, 1))
+                        : PyObject_Vectorcall(cfg.make_wrapper, call_args, 2, cfg.wrapper_kwnames));
         if (!tensor) return nullptr;
         Ref handle(new_handle(tid, session));
         if (!handle) return nullptr;
@@ -285,9 +486,8 @@ PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs) {
     if (!source) return nullptr;
     Ref seed(seeded ? PyObject_CallMethodNoArgs(session, s_next_seed) : (Py_INCREF(Py_None), Py_None));
     if (!seed) return nullptr;
-    PyObject *call_names[5] = {s_plan_id, s_inputs, s_outputs, s_source, s_seed};
     PyObject *call_values[5] = {plan_id, tids.p, out_tids.p, source.p, seed.p};
-    Ref call(make_slotted(cfg.call, call_names, call_values, 5));
+    Ref call(make_call(call_values));
     if (!call) return nullptr;
 
     // session.emit(call): inline unless something shadows emit on the instance (dt.compile's
@@ -317,6 +517,7 @@ PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs) {
     }
     PyObject *r = PyList_GET_ITEM(results.p, 0);
     Py_INCREF(r);
+    ++native_ops;
     return r;
 }
 
@@ -346,11 +547,17 @@ PyObject *torch_dispatch(PyObject *, PyObject *const *argv, Py_ssize_t nargs, Py
     Ref inputs(PyList_New(0));
     if (!inputs) return nullptr;
     PyObject *argkey = nullptr;
-    Key k = key_of(args, inputs.p, &argkey);
+    Py_hash_t arghash = -1, valhash = -1, namehash = -1;
+    Key k = key_of(args, inputs.p, &argkey, &arghash);
     if (k == Key::error) return nullptr;
     if (k == Key::python) return python_path(func, args, kwargs);
     Ref argkey_ref(argkey);
     Ref key;
+    TupleHash keyhash;
+    Py_hash_t funchash = op_hash(func);
+    if (funchash == -1) return nullptr;
+    keyhash.add(funchash);
+    keyhash.add(arghash);
     if (PyDict_GET_SIZE(kwargs)) {
         Ref values(PyDict_Values(kwargs));
         Ref names(PyDict_Keys(kwargs));
@@ -359,20 +566,24 @@ PyObject *torch_dispatch(PyObject *, PyObject *const *argv, Py_ssize_t nargs, Py
         Ref name_tuple(PyList_AsTuple(names.p));
         if (!value_tuple || !name_tuple) return nullptr;
         PyObject *valkey = nullptr;
-        k = key_of(value_tuple.p, inputs.p, &valkey);
+        k = key_of(value_tuple.p, inputs.p, &valkey, &valhash);
         if (k == Key::error) return nullptr;
         if (k == Key::python) return python_path(func, args, kwargs);
         Ref valkey_ref(valkey);
         key.p = PyTuple_Pack(4, func, argkey, valkey, name_tuple.p);
+        if ((namehash = PyObject_Hash(name_tuple.p)) == -1) return nullptr;  // a tuple of str
+        keyhash.add(valhash);
+        keyhash.add(namehash);
     } else {
         key.p = PyTuple_Pack(2, func, argkey);
     }
     if (!key) return nullptr;
+    Py_hash_t hash = (arghash == -1 || (namehash != -1 && valhash == -1)) ? -1 : keyhash.done();
     if (PyList_GET_SIZE(inputs.p) == 0) return python_path(func, args, kwargs);
 
     Ref handle(PyObject_GetAttr(PyList_GET_ITEM(inputs.p, 0), s_handle));
     if (!handle) return nullptr;
-    Ref session(PyObject_GetAttr(handle.p, s_session));
+    Ref session(handle_field(handle.p, true));
     if (!session) return nullptr;
     Ref closed(PyObject_GetAttr(session.p, s_closed));
     if (!closed) return nullptr;
@@ -380,11 +591,8 @@ PyObject *torch_dispatch(PyObject *, PyObject *const *argv, Py_ssize_t nargs, Py
     Ref plans(PyObject_GetAttr(session.p, s_plans));
     if (!plans) return nullptr;
     if (!PyDict_CheckExact(plans.p)) return python_path(func, args, kwargs);
-    PyObject *plan = PyDict_GetItemWithError(plans.p, key.p);  // borrowed
-    if (!plan) {
-        PyErr_Clear();  // a miss, or an unhashable key: the Python path builds (or raises)
-        return python_path(func, args, kwargs);
-    }
+    PyObject *plan = plan_for(plans.p, key.p, hash);  // borrowed
+    if (!plan) return python_path(func, args, kwargs);  // the Python path builds (or raises)
     Ref plan_ref(plan);
     Py_INCREF(plan);
     PyObject *fast = nullptr;
@@ -407,6 +615,10 @@ PyMethodDef dispatch_def = {"torch_dispatch", (PyCFunction)(void (*)(void))torch
                             METH_FASTCALL | METH_KEYWORDS,
                             "DTensor.__torch_dispatch__ in C++ (dtorch_core/planner/native_dispatch.py)"};
 
+PyMethodDef encode_calls_def = {"encode_calls", (PyCFunction)(void (*)(void))encode_calls, METH_FASTCALL,
+                                "encode_calls(body, batch, start, memo, call_type, prefix) -> index of the first item "
+                                "not written (native/encode_calls.cpp)"};
+
 }  // namespace
 
 NB_MODULE(_fastpath, m) {
@@ -421,18 +633,35 @@ NB_MODULE(_fastpath, m) {
     s_startswith = intern("startswith"); s_view_state = intern("_view_state");
 
     m.def("configure", [](nb::object dtensor, nb::object tensor, nb::object direct_plan, nb::object call,
-                          nb::object make_wrapper, nb::object fallback, nb::dict internal_code, nb::tuple prefixes) {
+                          nb::object make_wrapper, nb::object fallback, nb::dict internal_code, nb::tuple prefixes,
+                          nb::object spec, nb::object hash_sample) {
         PyObject *objs[] = {dtensor.ptr(), tensor.ptr(), direct_plan.ptr(), call.ptr(), make_wrapper.ptr(),
-                            fallback.ptr(), internal_code.ptr(), prefixes.ptr()};
+                            fallback.ptr(), internal_code.ptr(), prefixes.ptr(), spec.ptr()};
         for (PyObject *o : objs) Py_INCREF(o);
         cfg.dtensor = objs[0]; cfg.tensor = objs[1]; cfg.direct_plan = objs[2]; cfg.call = objs[3];
         cfg.make_wrapper = objs[4]; cfg.fallback = objs[5]; cfg.internal_code = objs[6]; cfg.prefixes = objs[7];
+        cfg.spec = objs[8];
         cfg.wrapper_kwnames = Py_BuildValue("(ssss)", "strides", "dtype", "device", "requires_grad");
         cfg.empty_tuple = PyTuple_New(0);
         cfg.empty_dict = PyDict_New();
+        cfg.s_strides = intern("strides"); cfg.s_dtype = intern("dtype"); cfg.s_device = intern("device");
         if (!cfg.wrapper_kwnames || !cfg.empty_tuple || !cfg.empty_dict) throw nb::python_error();
+        cfg.spec_hash = slot_offset(cfg.spec, "_attrs_cached_hash");
+        cfg.spec_wrapper = slot_offset(cfg.spec, "_native_wrapper");
+        static const char *call_fields[5] = {"plan_id", "inputs", "outputs", "source", "seed"};
+        cfg.call_slotted = true;
+        for (int i = 0; i < 5; ++i)
+            if ((cfg.call_slots[i] = slot_offset(cfg.call, call_fields[i])) < 0) cfg.call_slotted = false;
+        // the key hash of this file against hash() on a key of every kind key_of makes
+        Py_hash_t mine = generic_hash(hash_sample.ptr()), python = PyObject_Hash(hash_sample.ptr());
+        if (mine == -1 || python == -1) throw nb::python_error();
+        cfg.known_hash = mine == python;
         cfg.ready = true;
     }, "Hand over the classes and functions the hot path uses (once, at import of dtorch_core).");
+    m.def("counts", []() { return nb::make_tuple(native_ops, python_ops); },
+          "(ops served in C++, ops handed to the Python dispatcher) so far.");
+    m.def("known_hash", []() { return cfg.known_hash; },
+          "Whether plan-cache keys are hashed here (True) or by hash() (the check at configure failed).");
 
     s_releases = intern("_releases"); s_release = intern("release");
     handle_type = (PyTypeObject *)PyType_FromSpec(&handle_spec);
@@ -441,4 +670,6 @@ NB_MODULE(_fastpath, m) {
     if (PyModule_AddObject(m.ptr(), "Handle", (PyObject *)handle_type) < 0) throw nb::python_error();
     PyObject *fn = PyCFunction_NewEx(&dispatch_def, nullptr, m.ptr());
     if (!fn || PyModule_AddObject(m.ptr(), "torch_dispatch", fn) < 0) throw nb::python_error();
+    PyObject *enc = PyCFunction_NewEx(&encode_calls_def, nullptr, m.ptr());
+    if (!enc || PyModule_AddObject(m.ptr(), "encode_calls", enc) < 0) throw nb::python_error();
 }

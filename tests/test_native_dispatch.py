@@ -158,3 +158,81 @@ def test_views_carry_the_same_view_state(mesh1d):
     (pn, pv, pp, pt, pw), (nn_, nv, np_, nt, nw) = seen
     assert (pn, pv, pp, pw) == (nn_, nv, np_, nw) and pv == 1
     assert torch.equal(pt, nt) and torch.equal(nt, a.full_tensor().unsqueeze(0).transpose(1, 2))
+
+
+@needs_native
+def test_cache_hits_are_served_natively(mesh1d):
+    # the native key (its hash computed in C++) must find the plans the Python path stored
+    from dtorch_core import _fastpath
+
+    assert _fastpath.known_hash()
+    a = dt.distribute_tensor(torch.randn(9, 6), mesh1d, [dt.Shard(0)])
+    b = dt.distribute_tensor(torch.randn(9, 6), mesh1d, [dt.Shard(0)])  # every op moves nothing
+    with python_path():
+        _program(a, b)
+        torch.add(a, b, alpha=2.0)
+    native_before, python_before = _fastpath.counts()
+    for _ in range(3):
+        _program(a, b)
+        torch.add(a, b, alpha=2.0)  # a key with kwargs
+    native, python = _fastpath.counts()
+    assert (native - native_before, python - python_before) == (3 * 10, 0)
+
+
+@needs_native
+@pytest.mark.parametrize("make", [
+    lambda x: x + 1.5,
+    lambda x: x.t(),  # a view with strides that are not the contiguous ones
+    lambda x: x.unsqueeze(0),  # a size-1 dim
+    lambda x: x[:, :0].neg(),  # an empty tensor
+    lambda x: x.double() * 2,
+    lambda x: (x > 0).logical_not(),
+    lambda x: x.to(torch.int64).neg(),
+])
+def test_handles_have_the_python_paths_metadata(mesh1d, make):
+    a = dt.distribute_tensor(torch.randn(9, 5), mesh1d, [dt.Shard(0)])
+    outs = []
+    for ctx in (python_path, contextlib.nullcontext, contextlib.nullcontext):
+        with ctx():
+            out = make(a)
+        outs.append(out)
+    (p, n, again) = outs
+    for o in (n, again):
+        assert (o.shape, o.stride(), o.dtype, o.device, o.is_contiguous(), o.requires_grad, type(o)) == (
+            p.shape, p.stride(), p.dtype, p.device, p.is_contiguous(), p.requires_grad, type(p))
+        assert o._spec is p._spec and o.placements == p.placements
+        assert torch.equal(o.full_tensor(), p.full_tensor())
+    assert torch.equal(n.full_tensor(), make(a.full_tensor()))
+
+
+@needs_native
+def test_the_default_dtype_does_not_leak_into_handles(mesh1d):
+    a = dt.distribute_tensor(torch.randn(4, 4), mesh1d, [dt.Shard(1)])
+    a + a  # a plan; the handle's arguments are made on the first native hit
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out = a + a
+    finally:
+        torch.set_default_dtype(before)
+    assert out.dtype == torch.float32 and out.full_tensor().dtype == torch.float32
+
+
+def _two_lines(a):
+    b = a + 1.0
+    return b * 2.0
+
+
+@needs_native
+def test_sources_name_each_line_in_a_loop(mesh1d):
+    # the native path keeps one source tuple per (code, instruction): lines must still differ
+    a = dt.distribute_tensor(torch.randn(6, 4), mesh1d, [dt.Shard(0)])
+    seen = []
+    for ctx in (python_path, contextlib.nullcontext):
+        with ctx(), held_instructions() as held:
+            for _ in range(3):
+                _two_lines(a)
+        seen.append([c.source for c in _calls(held)])
+    line = _two_lines.__code__.co_firstlineno
+    want = [(__file__, line + 1), (__file__, line + 2)] * 3
+    assert seen[0] == seen[1] == want

@@ -17,6 +17,8 @@ import os
 import torch
 
 from ..ir.instructions import Call
+from ..ir.wire.encode import set_call_writer
+from ..spec import TensorSpec
 from ..tensor import DTensor
 from . import source
 from .dispatch import dispatch
@@ -40,9 +42,13 @@ def install() -> str:
     except ImportError as exc:
         _active = f"python (dtorch_core._fastpath does not import: {exc})"
         return _active
+    # a key of every kind the native key builder makes: it checks its hashes against hash() on it
+    hash_sample = (torch.ops.aten.add.Tensor, ((float, 2.5), (int, -3), (bool, True), ((int, 1 << 70),)),
+                   (None, "x", torch.float32, torch.contiguous_format), ("alpha", "out"))
     _fastpath.configure(DTensor, torch.Tensor, DirectPlan, Call, torch.Tensor._make_wrapper_subclass, dispatch,
-                        source._internal_code, (source._PKG_DIR, source._TORCH_DIR, "<"))
+                        source._internal_code, (source._PKG_DIR, source._TORCH_DIR, "<"), TensorSpec, hash_sample)
     DTensor.__torch_dispatch__ = classmethod(_fastpath.torch_dispatch)
+    set_call_writer(_fastpath.encode_calls)  # batches' runs of Calls, for the process and remote runners
     _active = "native"
     return _active
 

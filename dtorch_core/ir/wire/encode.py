@@ -41,12 +41,26 @@ _REFS = [bytes((0xCB, i)) for i in range(256)]
 # tuples of 1..255 ints (tensor ids): one struct call each way
 _PACK_I32 = [struct.Struct(f"<BB{n}i").pack for n in range(256)]
 _PACK_I64 = [struct.Struct(f"<BB{n}q").pack for n in range(256)]
+_CALL = _ins.Call
+_CALL_PREFIX = _CLASSES[_CALL].prefix
+
+# Runs of Calls are written by ``dtorch_core._fastpath.encode_calls`` (native/encode_calls.cpp)
+# once the controller's native hot path is installed (planner/native_dispatch.py): the same
+# bytes, and it leaves to the Python code below every item it does not write.
+_write_calls = None
+
+
+def set_call_writer(writer) -> None:
+    """Write runs of Calls in batches with ``writer(body, batch, start, memo, Call, prefix) -> next
+    index`` (None: in Python)."""
+    global _write_calls
+    _write_calls = writer
 
 
 def _kind_of(obj) -> int:
     if type(obj) is _ins.Reply:
         return KIND_REPLY
-    if type(obj) in (list, tuple) and all(type(i) in _INSTRUCTION_TYPES for i in obj):
+    if type(obj) in (list, tuple) and _INSTRUCTION_TYPES.issuperset(map(type, obj)):  # no Python loop
         return KIND_BATCH
     return KIND_VALUE
 
@@ -261,8 +275,25 @@ def encode_parts(obj) -> list:
 
     if kind == KIND_BATCH and type(obj) is tuple:
         obj = list(obj)
+    write_calls = _write_calls
     try:
-        enc(obj, 0)
+        if kind == KIND_BATCH and write_calls is not None:
+            # enc's list branch, with runs of Calls written natively
+            n = len(obj)
+            if n < 16:
+                append(0x90 | n)
+            else:
+                extend(_pack_u32(0xCF, n))
+            i = 0
+            while i < n:
+                if type(obj[i]) is _CALL:
+                    i = write_calls(body, obj, i, memo, _CALL, _CALL_PREFIX)
+                    if i == n:
+                        break
+                enc(obj[i], 1)
+                i += 1
+        else:
+            enc(obj, 0)
     except RecursionError:
         _too_deep()
     body_len = len(body) - HEADER_SIZE

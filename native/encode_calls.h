@@ -1,0 +1,6 @@
+// dtorch_core._fastpath.encode_calls (native/encode_calls.cpp): runs of Call instructions in the
+// wire format, for dtorch_core/ir/wire/encode.py.
+#pragma once
+#include <Python.h>
+
+PyObject *encode_calls(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
