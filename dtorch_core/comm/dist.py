@@ -118,47 +118,44 @@ def _all_gather_padded(group, index, shapes, value, device, failed: bool) -> tup
     whether a member's contribution failed: a flag byte travels behind each payload, read where
     reading it costs nothing (CPU; None elsewhere)."""
     itemsize = value.element_size()
-    nbytes = [itemsize * math.prod(s) for s in shapes]
-    width = max(nbytes) + itemsize  # the flag's slot keeps every payload aligned for its dtype
-    mine = torch.empty(width, dtype=torch.uint8, device=device)
-    if nbytes[index]:
-        mine[: nbytes[index]] = value.contiguous().reshape(-1).view(torch.uint8)
-    mine[-1] = int(failed)
-    gathered = torch.empty(width * len(shapes), dtype=torch.uint8, device=device)
-    _all_gather_single(gathered, mine, group=group)
-    values = [
-        gathered[i * width:i * width + n].view(value.dtype).reshape(s) if n else value.new_empty(s)
-        for i, (n, s) in enumerate(zip(nbytes, shapes))
-    ]
-    return values, bool(gathered[width - 1::width].any()) if device.type == "cpu" else None
+    sizes = [math.prod(s) for s in shapes]
+    width = max(sizes) + 1  # elements; the flag's slot keeps every payload aligned for its dtype
+    mine = value.new_empty(width)
+    if sizes[index]:
+        mine.narrow(0, 0, sizes[index]).view(value.shape).copy_(value)  # one pass, whatever its strides
+    mine_bytes = mine.view(torch.uint8)
+    mine_bytes[-1] = int(failed)
+    gathered = value.new_empty((len(shapes), width))
+    _all_gather_single(gathered.view(torch.uint8).view(-1), mine_bytes, group=group)
+    values = [gathered.select(0, i).narrow(0, 0, n).view(s) for i, (n, s) in enumerate(zip(sizes, shapes))]
+    if device.type != "cpu":
+        return values, None
+    return values, bool(gathered.view(torch.uint8).select(1, width * itemsize - 1).any())
 
 
-def _all_to_all_flagged(group, sends, recv_shapes, like, failed: bool) -> tuple[list, bool]:
+def _all_to_all_flagged(group, sends, recv_shapes, largest: int, like, failed: bool) -> tuple[list, bool | None]:
     """The pieces of shapes ``recv_shapes`` that the members send this one (``sends[j]`` goes to
-    member j) through one ``all_to_all_single`` of bytes, a flag slot behind each piece (one
-    element wide, which keeps every piece aligned for its dtype); and whether a member's
-    contribution failed (CPU only: read where reading costs nothing)."""
+    member j) through one ``all_to_all_single`` of equal slots: room for the ``largest`` piece
+    any member sends (the same on every member) and a flag slot (one element wide: every piece
+    stays aligned for its dtype); and whether a member's contribution failed (CPU only: read
+    where reading costs nothing)."""
     itemsize = like.element_size()
-    send_sizes = [p.numel() + 1 for p in sends]
-    recv_sizes = [math.prod(s) + 1 for s in recv_shapes]
-    send = like.new_empty(sum(send_sizes))
+    recv_sizes = [math.prod(s) for s in recv_shapes]
+    width = largest + 1
+    k = len(sends)
+    send = like.new_empty((k, width))
+    for j, piece in enumerate(sends):
+        if piece.numel():
+            send.select(0, j).narrow(0, 0, piece.numel()).view(piece.shape).copy_(piece)  # one pass
     send_bytes = send.view(torch.uint8)
-    end = 0
-    for piece, n in zip(sends, send_sizes):
-        if n > 1:
-            send[end:end + n - 1].view(piece.shape).copy_(piece)  # one pass, whatever the piece's strides
-        end += n
-        send_bytes[(end - 1) * itemsize] = int(failed)
-    recv = like.new_empty(sum(recv_sizes))
+    send_bytes.select(1, width * itemsize - 1).fill_(int(failed))
+    recv = like.new_empty((k, width))
     recv_bytes = recv.view(torch.uint8)
-    dist.all_to_all_single(recv_bytes, send_bytes, [n * itemsize for n in recv_sizes],
-                           [n * itemsize for n in send_sizes], group=group)
-    pieces, flags, end = [], [], 0
-    for shape, n in zip(recv_shapes, recv_sizes):
-        pieces.append(recv[end:end + n - 1].view(shape))
-        end += n
-        flags.append((end - 1) * itemsize)
-    return pieces, bool(recv_bytes[flags].any()) if like.device.type == "cpu" else None
+    dist.all_to_all_single(recv_bytes, send_bytes, group=group)
+    pieces = [recv.select(0, j).narrow(0, 0, n).view(s) for j, (n, s) in enumerate(zip(recv_sizes, recv_shapes))]
+    if like.device.type != "cpu":
+        return pieces, None
+    return pieces, bool(recv_bytes.select(1, width * itemsize - 1).any())
 
 
 def _pieces_all_to_all(ins, group, index, shapes, value, failed: bool) -> tuple:
@@ -167,9 +164,10 @@ def _pieces_all_to_all(ins, group, index, shapes, value, failed: bool) -> tuple:
     k, dim, dim2 = len(shapes), ins.dim, ins.dim2
     m = value.shape[dim2]
     sends = [value.narrow(dim2, e.offset, e.length) for e in (chunk_extent(m, k, j) for j in range(k))]
-    mine = chunk_extent(m, k, index).length
+    mine, most = chunk_extent(m, k, index).length, chunk_extent(m, k, 0).length  # torch.chunk: the first is largest
     recv_shapes = [s[:dim2] + (mine,) + s[dim2 + 1:] for s in map(tuple, shapes)]
-    pieces, peers_failed = _all_to_all_flagged(group, sends, recv_shapes, value, failed)
+    largest = max(math.prod(s[:dim2] + (most,) + s[dim2 + 1:]) for s in map(tuple, shapes))
+    pieces, peers_failed = _all_to_all_flagged(group, sends, recv_shapes, largest, value, failed)
     return (None if peers_failed else torch.cat(pieces, dim=dim)), peers_failed
 
 
@@ -178,7 +176,7 @@ def _pieces_reduce_scatter(ins, group, index, shapes, value, failed: bool) -> tu
     group order (combine_one's reduce-scatter, the same bits)."""
     k, dim = len(shapes), ins.dim
     sends = [chunk_of(value, dim, k, j) for j in range(k)]
-    pieces, peers_failed = _all_to_all_flagged(group, sends, [sends[index].shape] * k, value, failed)
+    pieces, peers_failed = _all_to_all_flagged(group, sends, [sends[index].shape] * k, sends[0].numel(), value, failed)
     return (None if peers_failed else reduce_all(pieces, ins.reduce_op)), peers_failed
 
 
