@@ -17,14 +17,30 @@ from ..tensor import DTensor, view_for
 from .emit import emit_shift, emit_steps
 
 
+# (spec, placements) -> (steps, new spec): a program redistributes the same few tensors' kinds
+# over and over, and planning costs more than the lookup
+_MOVES: dict = {}
+_MOVES_LIMIT = 4096
+
+
+def planned_move(spec, placements: tuple) -> tuple:
+    """The redistribution steps of a tensor of ``spec`` to ``placements``, and its new spec."""
+    key = (spec, placements)
+    hit = _MOVES.get(key)
+    if hit is None:
+        if len(_MOVES) >= _MOVES_LIMIT:
+            _MOVES.clear()
+        hit = _MOVES[key] = (plan_redistribute(spec.placements, placements), spec.with_placements(placements))
+    return hit
+
+
 def issue_redistribute(x: DTensor, placements: tuple, view: DeviceMesh | None = None,
                        op_name: str = "redistribute") -> DTensor:
     """``x`` with ``placements`` (on its root mesh): the collectives are issued, not waited for.
     No autograd: ``DTensor.redistribute`` is the differentiable one."""
     session = x._handle.session
     spec = x._spec
-    steps = plan_redistribute(spec.placements, tuple(placements))
-    new_spec = spec.with_placements(placements)
+    steps, new_spec = planned_move(spec, tuple(placements))
     if not steps:
         tid = session.new_tid()
         session.emit(Collective("alias", session.mesh_id(spec.mesh), 0, x._tid, tid))
