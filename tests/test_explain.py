@@ -216,6 +216,34 @@ def test_fused_qkv_split_warns_once_and_is_counted(mesh1d, hot_path):
     assert "SURPRISING GATHER" in str(ex) and "split.Tensor in FusedAttn" in str(ex)
 
 
+PARTS = {  # view-like ops of a (3, 15) tensor whose 15 columns lie 4, 4, 4, 3 on 4 workers
+    "chunk": (lambda t: t.chunk(3, -1), "aten.split.Tensor", "(3, 15)[Shard(dim=1)]"),
+    "unbind": (lambda t: t.unbind(-1), "aten.unbind.int", "(3, 15)[Shard(dim=1)]"),
+    "narrow": (lambda t: t.narrow(-1, 5, 5), "aten.slice.Tensor", "(3, 15)[Shard(dim=1)]"),
+    "view": (lambda t: t.view(3, 3, 5), "aten.view.default", "(3, 15)[Shard(dim=1)]"),
+    # a reshape that must copy: torch's _unsafe_view of the transposed (15, 3) copy
+    "reshape": (lambda t: t.t().reshape(5, 9), "aten._unsafe_view.default", "(15, 3)[Shard(dim=0)]"),
+}
+
+
+@pytest.mark.parametrize("name", list(PARTS))
+def test_view_like_ops_across_shards_warn(mesh1d, runner, name):
+    _fresh_gather_log()
+    fn, op, gathered = PARTS[name]
+    a = torch.randn(3, 15)
+    x = dt.distribute_tensor(a, mesh1d, [dt.Shard(1)])
+    before = dt.gather_counts().get(op, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(x)
+    expected = fn(a)
+    for o, e in zip(*((v,) if isinstance(v, torch.Tensor) else v for v in (out, expected))):
+        assert_close(o.full_tensor(), e)
+    ours = [str(w.message) for w in caught if "all-gathers" in str(w.message)]
+    assert len(ours) == 1 and ours[0].startswith(f"dtorch: {op} at ") and f"input 0 {gathered} from" in ours[0]
+    assert dt.gather_counts()[op] == before + 1
+
+
 class Stack(nn.Module):
     def __init__(self):
         super().__init__()
