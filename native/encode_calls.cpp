@@ -222,6 +222,33 @@ int write_call(std::string &out, PyObject *call, PyObject *prefix, PyObject *mem
 
 }  // namespace
 
+namespace {
+bool append(PyObject *body, const std::string &out) {
+    if (out.empty()) return true;
+    Py_ssize_t old = PyByteArray_GET_SIZE(body);
+    if (PyByteArray_Resize(body, old + (Py_ssize_t)out.size()) < 0) return false;
+    std::memcpy(PyByteArray_AS_STRING(body) + old, out.data(), out.size());
+    return true;
+}
+}  // namespace
+
+// encode_ids(body: bytearray, prefix: bytes, ids) -> bool: an object whose one field is a tuple
+// of tensor ids (a Delete), as encode.py writes it; False (nothing written) for any other value.
+PyObject *encode_ids(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyByteArray_CheckExact(args[0]) || !PyBytes_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "encode_ids(body: bytearray, prefix: bytes, ids)");
+        return nullptr;
+    }
+    PyObject *ids = args[2];
+    int form = PyTuple_CheckExact(ids) ? id_tuple_form(ids) : 0;
+    if (!form) Py_RETURN_FALSE;
+    std::string out(PyBytes_AS_STRING(args[1]), PyBytes_GET_SIZE(args[1]));
+    out.reserve(out.size() + 6 + 9 * (size_t)PyTuple_GET_SIZE(ids));
+    write_id_tuple(out, ids, form);
+    if (!append(args[0], out)) return nullptr;
+    Py_RETURN_TRUE;
+}
+
 // encode_calls(body: bytearray, batch: list, start: int, memo: dict, call_type, prefix: bytes) -> int
 PyObject *encode_calls(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6 || !PyByteArray_CheckExact(args[0]) || !PyList_CheckExact(args[1]) ||
@@ -250,10 +277,6 @@ PyObject *encode_calls(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
         if (r < 0) return nullptr;
         if (r == 0) break;
     }
-    if (!out.empty()) {
-        Py_ssize_t old = PyByteArray_GET_SIZE(body);
-        if (PyByteArray_Resize(body, old + (Py_ssize_t)out.size()) < 0) return nullptr;
-        std::memcpy(PyByteArray_AS_STRING(body) + old, out.data(), out.size());
-    }
+    if (!append(body, out)) return nullptr;
     return PyLong_FromSsize_t(i);
 }

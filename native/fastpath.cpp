@@ -618,6 +618,9 @@ PyMethodDef dispatch_def = {"torch_dispatch", (PyCFunction)(void (*)(void))torch
 PyMethodDef encode_calls_def = {"encode_calls", (PyCFunction)(void (*)(void))encode_calls, METH_FASTCALL,
                                 "encode_calls(body, batch, start, memo, call_type, prefix) -> index of the first item "
                                 "not written (native/encode_calls.cpp)"};
+PyMethodDef encode_ids_def = {"encode_ids", (PyCFunction)(void (*)(void))encode_ids, METH_FASTCALL,
+                              "encode_ids(body, prefix, ids) -> whether it wrote an object of one field of tensor "
+                              "ids, a Delete (native/encode_calls.cpp)"};
 
 }  // namespace
 
@@ -672,4 +675,6 @@ NB_MODULE(_fastpath, m) {
     if (!fn || PyModule_AddObject(m.ptr(), "torch_dispatch", fn) < 0) throw nb::python_error();
     PyObject *enc = PyCFunction_NewEx(&encode_calls_def, nullptr, m.ptr());
     if (!enc || PyModule_AddObject(m.ptr(), "encode_calls", enc) < 0) throw nb::python_error();
+    PyObject *ids = PyCFunction_NewEx(&encode_ids_def, nullptr, m.ptr());
+    if (!ids || PyModule_AddObject(m.ptr(), "encode_ids", ids) < 0) throw nb::python_error();
 }

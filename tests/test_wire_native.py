@@ -29,19 +29,19 @@ SETTINGS = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, 
 
 
 @contextlib.contextmanager
-def writer(w):
-    before = encode_module._write_calls
-    encode_module.set_call_writer(w)
+def writer(native: bool):
+    before = encode_module._write_calls, encode_module._write_ids
+    encode_module.set_call_writer(*((_fastpath.encode_calls, _fastpath.encode_ids) if native else (None, None)))
     try:
         yield
     finally:
-        encode_module.set_call_writer(before)
+        encode_module.set_call_writer(*before)
 
 
 def both(value) -> tuple[bytes, bytes]:
     """(Python bytes, native bytes) of ``value``; also checks encode_parts against encode."""
     out = []
-    for w in (None, _fastpath.encode_calls):
+    for w in (False, True):
         with writer(w):
             data = encode(value)
             assert data == b"".join(bytes(p) for p in encode_parts(value))
@@ -60,9 +60,9 @@ def test_the_controller_uses_the_native_writer():
     from dtorch_core.planner import native_dispatch
 
     if native_dispatch.active() == "native":
-        assert encode_module._write_calls is _fastpath.encode_calls
+        assert (encode_module._write_calls, encode_module._write_ids) == (_fastpath.encode_calls, _fastpath.encode_ids)
     else:
-        assert encode_module._write_calls is None
+        assert encode_module._write_calls is encode_module._write_ids is None
 
 
 def test_realistic_batch_is_byte_identical():
@@ -111,7 +111,7 @@ def test_values_the_decoder_refuses_are_still_the_same_bytes(call):
 ])
 def test_unencodable_calls_raise_the_python_error(call):
     errors = []
-    for w in (None, _fastpath.encode_calls):
+    for w in (False, True):
         with writer(w), pytest.raises(WireError) as info:
             encode([Call(1, (2,), (3,), ("/a.py", 1)), call])
         errors.append(str(info.value))
@@ -134,6 +134,12 @@ def test_objects_of_another_class_reset_nothing():
     batch = [Fetch(1, 2, (0,)), Call(1, (2,), (3,), src)]
     check(batch)
     check([Call(1, (2,), (3,), src), Fetch(1, 2, (0,)), Call(4, (5,), (6,), src)])
+
+
+@pytest.mark.parametrize("tids", [(), (5,), (-1, 2**31), tuple(range(300)), (2**63 - 1,) * 256, (True, 2),
+                                  (1, "x"), None, [1, 2]])
+def test_deletes(tids):
+    check([Delete(tids), Call(1, (2,), (3,), None), Delete(tids)], decodes=type(tids) is tuple)
 
 
 def test_non_batches_are_not_touched():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import itertools
 import os
 import signal
 import threading
@@ -215,15 +216,11 @@ class Session:
         with self._lock:
             self._flush_locked()
 
-    def _drain(self, queue) -> list:
-        out = []
-        pop = queue.popleft
-        try:
-            for _ in range(len(queue)):
-                out.append(pop())
-        except IndexError:
-            pass
-        return out
+    @staticmethod
+    def _drain(queue) -> list:
+        # the entries there now, oldest first, popped one by one in C (no Python loop): others
+        # only append meanwhile, and only a flush (under the lock) takes entries out
+        return list(map(collections.deque.popleft, itertools.repeat(queue, len(queue))))
 
     def _flush_locked(self) -> None:
         if self.closed:

@@ -48,7 +48,7 @@ def install() -> str:
     _fastpath.configure(DTensor, torch.Tensor, DirectPlan, Call, torch.Tensor._make_wrapper_subclass, dispatch,
                         source._internal_code, (source._PKG_DIR, source._TORCH_DIR, "<"), TensorSpec, hash_sample)
     DTensor.__torch_dispatch__ = classmethod(_fastpath.torch_dispatch)
-    set_call_writer(_fastpath.encode_calls)  # batches' runs of Calls, for the process and remote runners
+    set_call_writer(_fastpath.encode_calls, _fastpath.encode_ids)  # batches for the process and remote runners
     _active = "native"
     return _active
 

@@ -61,6 +61,10 @@ def _put_for_rank(put: Put, rank: int) -> Put:
     return Put(put.tid, put.mesh_id, {} if shard is None else {rank: shard})
 
 
+# the classes that may carry per-rank parts (checked in C first: most batches hold none)
+_PER_RANK_TYPES = frozenset({Put, DefinePlan, DefineProgram})
+
+
 class ProcessRunner(Runner):
     """Spawns ``world_size`` worker processes and talks to them over local channels."""
 
@@ -160,8 +164,9 @@ class ProcessRunner(Runner):
     def submit(self, batch) -> None:
         self._raise_if_dead()
         shared = None
-        if not any(type(ins) is Put or (type(ins) is DefinePlan and ins.rank_args)
-                   or (type(ins) is DefineProgram and ins.constants) for ins in batch):
+        if _PER_RANK_TYPES.isdisjoint(map(type, batch)) or not any(
+                type(ins) is Put or (type(ins) is DefinePlan and ins.rank_args)
+                or (type(ins) is DefineProgram and ins.constants) for ins in batch):
             shared = wire.encode(batch)  # the common case: every rank gets the same bytes
         for rank, sender in enumerate(self.senders):
             data = shared if shared is not None else wire.encode(for_rank(batch, rank))

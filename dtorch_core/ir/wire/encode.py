@@ -43,18 +43,23 @@ _PACK_I32 = [struct.Struct(f"<BB{n}i").pack for n in range(256)]
 _PACK_I64 = [struct.Struct(f"<BB{n}q").pack for n in range(256)]
 _CALL = _ins.Call
 _CALL_PREFIX = _CLASSES[_CALL].prefix
+_DELETE = _ins.Delete
+_DELETE_PREFIX = _CLASSES[_DELETE].prefix
 
-# Runs of Calls are written by ``dtorch_core._fastpath.encode_calls`` (native/encode_calls.cpp)
-# once the controller's native hot path is installed (planner/native_dispatch.py): the same
-# bytes, and it leaves to the Python code below every item it does not write.
+# Runs of Calls, and Deletes, are written by ``dtorch_core._fastpath.encode_calls`` and
+# ``encode_ids`` (native/encode_calls.cpp) once the controller's native hot path is installed
+# (planner/native_dispatch.py): the same bytes, and they leave to the Python code below every
+# item or value they do not write.
 _write_calls = None
+_write_ids = None
 
 
-def set_call_writer(writer) -> None:
+def set_call_writer(writer, ids_writer=None) -> None:
     """Write runs of Calls in batches with ``writer(body, batch, start, memo, Call, prefix) -> next
-    index`` (None: in Python)."""
-    global _write_calls
+    index``, and Deletes with ``ids_writer(body, prefix, tids) -> written`` (None: in Python)."""
+    global _write_calls, _write_ids
     _write_calls = writer
+    _write_ids = ids_writer
 
 
 def _kind_of(obj) -> int:
@@ -284,13 +289,20 @@ def encode_parts(obj) -> list:
                 append(0x90 | n)
             else:
                 extend(_pack_u32(0xCF, n))
+            write_ids = _write_ids
             i = 0
             while i < n:
-                if type(obj[i]) is _CALL:
+                item = obj[i]
+                t = type(item)
+                if t is _CALL:
                     i = write_calls(body, obj, i, memo, _CALL, _CALL_PREFIX)
                     if i == n:
                         break
-                enc(obj[i], 1)
+                    item = obj[i]
+                elif t is _DELETE and write_ids is not None and write_ids(body, _DELETE_PREFIX, item.tids):
+                    i += 1
+                    continue
+                enc(item, 1)
                 i += 1
         else:
             enc(obj, 0)
