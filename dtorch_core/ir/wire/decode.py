@@ -3,6 +3,8 @@ against the bytes it was given before it allocates anything (see docs/wire-forma
 
 from __future__ import annotations
 
+import collections
+import itertools
 import os
 import struct
 
@@ -58,6 +60,11 @@ def _native_call_reader():
 # memo and the container allowance as they were at that record: the Python code below then
 # decodes (or rejects) it, so results and errors do not depend on it.
 _read_calls = _native_call_reader()
+
+
+def _consume(iterator, n: int) -> None:
+    """Skip ``n`` items of ``iterator`` (at C speed)."""
+    collections.deque(itertools.islice(iterator, n), maxlen=0)
 
 
 def decode(data: bytes | bytearray | memoryview):
@@ -136,16 +143,9 @@ def _decode_body(body: bytes, blob: memoryview):
                 v, p = dec(p, d1)
                 add(v)
             return out, p
-        read_calls = _read_calls if d1 + 3 < MAX_DEPTH else None
-        done = 0
-        while done < n:
+        todo = iter(range(n))
+        for _ in todo:
             b = body[p]
-            if b == _CALL_TAG and read_calls is not None:
-                p, room, k = read_calls(body, p, n - done, memo, room, out)
-                if k:
-                    done += k
-                    continue
-            done += 1
             if b < 0x80:
                 add(b)
                 p += 1
@@ -168,6 +168,13 @@ def _decode_body(body: bytes, blob: memoryview):
                 k = body[p + 1]
                 add(_UNPACK_I32[k](body, p + 2))
                 p += 2 + 4 * k
+            elif b == _CALL_TAG and _read_calls is not None and d1 + 3 < MAX_DEPTH:
+                p, room, k = _read_calls(body, p, n - len(out), memo, room, out)
+                if k:
+                    _consume(todo, k - 1)  # this one and k - 1 more values are read
+                else:
+                    v, p = dec(p, d1)
+                    add(v)
             else:
                 v, p = dec(p, d1)
                 add(v)
