@@ -119,18 +119,16 @@ def _all_gather_padded(group, index, shapes, value, device, failed: bool) -> tup
     reading it costs nothing (CPU; None elsewhere)."""
     itemsize = value.element_size()
     sizes = [math.prod(s) for s in shapes]
-    width = max(sizes) + 1  # elements; the flag's slot keeps every payload aligned for its dtype
-    mine = value.new_empty(width)
+    width = (max(sizes) + 1) * itemsize  # bytes; the flag's slot keeps every payload aligned for its dtype
+    mine_bytes = torch.empty(width, dtype=torch.uint8, device=device)
     if sizes[index]:
-        mine.narrow(0, 0, sizes[index]).view(value.shape).copy_(value)  # one pass, whatever its strides
-    mine_bytes = mine.view(torch.uint8)
+        mine_bytes.view(value.dtype).narrow(0, 0, sizes[index]).view(value.shape).copy_(value)  # one pass
     mine_bytes[-1] = int(failed)
-    gathered = value.new_empty((len(shapes), width))
-    _all_gather_single(gathered.view(torch.uint8).view(-1), mine_bytes, group=group)
+    gathered_bytes = torch.empty((len(shapes), width), dtype=torch.uint8, device=device)
+    _all_gather_single(gathered_bytes.view(-1), mine_bytes, group=group)
+    gathered = gathered_bytes.view(value.dtype)
     values = [gathered.select(0, i).narrow(0, 0, n).view(s) for i, (n, s) in enumerate(zip(sizes, shapes))]
-    if device.type != "cpu":
-        return values, None
-    return values, bool(gathered.view(torch.uint8).select(1, width * itemsize - 1).any())
+    return values, bool(gathered_bytes.select(1, width - 1).any()) if device.type == "cpu" else None
 
 
 def _all_to_all_flagged(group, sends, recv_shapes, largest: int, like, failed: bool) -> tuple[list, bool | None]:
