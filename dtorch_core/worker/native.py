@@ -3,14 +3,17 @@
 :class:`~dtorch_core.worker.loop.Worker` runs the consecutive ``Call`` instructions of a batch
 through :func:`runner`'s ``run_calls``: inputs from the store, the arguments from the plan's
 :func:`template` (made once per plan), the kernel by vectorcall (an aten op's C++ callable, so no
-Python frame per op), the outputs into the store. It returns to Python at every instruction it
-does not run itself — any other instruction, a Call with a missing or failed input, a plan
-without a template (tensor inputs nested in lists or kwargs), odd field types, outstanding
-communication — and hands a kernel's exception back so that the worker records the failure as
-``Worker._call`` does: results, failures and logs are the Python path's.
+Python frame per op), the outputs into the store; with communication in flight it calls the
+streams' ``join_reads`` first, as ``Worker._call`` does. It returns to Python at every
+instruction it does not run itself — any other instruction, a Call with a missing or failed
+input, a plan without a template (tensor inputs nested in lists or kwargs), odd field types — and
+hands a kernel's exception back so that the worker records the failure as ``Worker._call`` does:
+results, failures and logs are the Python path's.
 
-``DTORCH_NATIVE_WORKER=0`` keeps the Python path; so does a build without the extension (no
-compiler). ``dtorch info`` says which one runs.
+``dtorch_core.ir.wire``'s decoder uses the same extension for runs of Call records.
+
+``DTORCH_NATIVE_WORKER=0`` keeps the Python path (the decoder's too); so does a build without the
+extension (no compiler). ``dtorch info`` says which one runs.
 """
 
 from __future__ import annotations
@@ -54,8 +57,8 @@ def active() -> str:
 
 
 def runner(local_plan: type, enabled: bool | None = None):
-    """``run_calls(batch, start, store, plans, streams) -> (position, exception or None)``, or
-    None for the Python path: ``enabled=False``, or with ``enabled=None`` where :func:`active`
+    """``run_calls(batch, start, store, plans, streams) -> (position, exception or None,
+    in_kernel)``, or None for the Python path: ``enabled=False``, or with ``enabled=None`` where :func:`active`
     says so. ``local_plan`` is the worker's plan class (its ``native`` slot holds the template)."""
     global _configured
     if enabled is False or (enabled is None and active() != "native") or _imported() is None:
