@@ -8,8 +8,11 @@
 // whose input is missing or failed (Python fails its outputs), a plan without a Template (nested
 // slots), odd field types (Python validates or rejects). With communication in flight it calls
 // the streams' join_reads as _call does. A kernel that raises is not re-run: its exception comes
-// back with its position and Python records the WorkerFailure exactly as _call does. Nothing here
-// links libtorch, so the module builds against any torch.
+// back with its position and Python records the WorkerFailure exactly as _call does.
+//
+// `read_calls` is the wire decoder's (dtorch_core/ir/wire/decode.py) reader of runs of Call
+// records; see its section below. Nothing here links libtorch, so the module builds against any
+// torch.
 #include <Python.h>
 #include <descrobject.h>
 #include <structmember.h>
