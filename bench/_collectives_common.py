@@ -20,6 +20,7 @@ for _name, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST
     os.environ[_name] = _value
 
 import re  # noqa: E402
+import time  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -55,6 +56,22 @@ def shape_for(size: int, dtype: torch.dtype, world: int) -> tuple[int, int]:
     if rows * cols * torch.empty((), dtype=dtype).element_size() != size or rows % world or cols % world:
         raise ValueError(f"size {size} B of {dtype} does not split into ({rows}, {cols}) evenly over {world} ranks")
     return rows, cols
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time used so far by process ``pid`` (all its threads; this process if None), in
+    seconds, from the scheduler's nanosecond counters (``/proc/<pid>/task/*/schedstat``)."""
+    if pid is None:
+        return time.process_time()
+    total = 0
+    root = f"/proc/{pid}/task"
+    for task in os.listdir(root):
+        try:
+            with open(f"{root}/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            pass
+    return total / 1e9
 
 
 def nccl_tests_bytes(op: str, size: int, world: int) -> int:

@@ -7,7 +7,8 @@ group, so a rank waiting for the next round keeps no NCCL kernel spinning on a G
 is timing meanwhile.
 
 A round of name ``<op>-<size>`` runs ``--iters`` calls (``--big-iters`` from 256 MiB) back to back, then
-``torch.cuda.synchronize()`` and a barrier; rank 0 reports ``{"seconds": total / iters}``. Before
+``torch.cuda.synchronize()`` and a barrier; rank 0 reports ``{"seconds": total / iters,
+"cpu_seconds": CPU time of all ranks / iters}``. Before
 its first round each (op, size) gets ``--warmup`` untimed calls. Protocol: bench/_torchrun.py.
 """
 
@@ -89,15 +90,19 @@ def main() -> None:
                 for _ in range(args.warmup if r == 0 else 1):
                     call()
                 sync()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 n = args.big_iters if size >= 256 << 20 else args.iters
                 for _ in range(n):
                     call()
                 sync()
                 seconds = (time.perf_counter() - t0) / n
+                # every rank's CPU time (all its threads), summed: the host cost of one call
+                cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+                dist.all_reduce(cpu)
                 call = None
                 if sync_dir:
-                    write_json(os.path.join(sync_dir, f"done-{r}-{name}.json"), {"seconds": seconds})
+                    write_json(os.path.join(sync_dir, f"done-{r}-{name}.json"),
+                               {"seconds": seconds, "cpu_seconds": cpu.item() / n})
     final = {"world_size": world, "backend": str(dist.get_backend()), "torch": torch.__version__,
              "python": platform.python_version(),
              "device": torch.cuda.get_device_name(local_rank) if cuda else "cpu",

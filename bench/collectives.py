@@ -17,7 +17,10 @@ torch: bench/_torch_collectives.py under ``torchrun --nproc_per_node world``, ``
 then ``torch.cuda.synchronize()`` and a barrier; time / iters. The rounds of both sides
 interleave (bench/_torchrun.py); the ``--stat`` (default median) round counts. Printed per row:
 algbw and busbw in nccl-tests' conventions (bench/_collectives_common.py) and the ratio
-dtorch/torch of bandwidth (= torch time / dtorch time; target >= 0.95).
+dtorch/torch of bandwidth (= torch time / dtorch time; target >= 0.95). A second table gives
+per row the time ratio dtorch/torch (at small sizes, where the time is host cost: target <= 1.3)
+and the host CPU per redistribution: CPU time of the controller and every worker process (from
+the scheduler's counters) against that of every torchrun rank per direct call.
 """
 
 from __future__ import annotations
@@ -59,6 +62,18 @@ def placements(dt, op):
     return {"all_gather": (S0, R), "reduce_scatter": (P, S0), "all_reduce": (P, R), "all_to_all": (S0, S1)}[op]
 
 
+def worker_pids() -> list:
+    """The worker processes of the running session (none for runners whose workers are threads
+    of this process: its own CPU time counts them)."""
+    from dtorch_core.controller import session as session_module
+
+    return [p.pid for p in getattr(session_module._session.runner, "procs", ())]
+
+
+def cpu_total(pids) -> float:
+    return cc.cpu_seconds() + sum(cc.cpu_seconds(pid) for pid in pids)
+
+
 class DtorchCollective:
     """One (op, size): the source on the workers, timed rounds of ``iters`` redistributions."""
 
@@ -72,15 +87,18 @@ class DtorchCollective:
         y = None  # noqa: F841
         dt.synchronize()
 
-    def round(self, iters: int) -> float:
+    def round(self, iters: int, pids) -> tuple[float, float]:
+        """(seconds, CPU seconds of the controller and every worker process) per redistribution."""
         dt, mesh, dst = self.dt, self.mesh, [self.dst]
         dt.synchronize()
+        c0 = cpu_total(pids)
         t0 = time.perf_counter()
         for _ in range(iters):
             y = self.x.redistribute(mesh, dst)
         y = None  # noqa: F841
         dt.synchronize()
-        return (time.perf_counter() - t0) / iters
+        t = (time.perf_counter() - t0) / iters
+        return t, (cpu_total(pids) - c0) / iters
 
     def check(self, world: int) -> bool:
         """The result's values: ones gathered, a sum of one ones-tensor (dt.ones with Partial
@@ -135,24 +153,30 @@ def main(argv=None) -> int:
                    "--warmup", args.warmup, "--rounds", args.rounds]
     anchor = TorchrunAnchor(ANCHOR, anchor_argv, world, args.anchor_timeout)
     samples = {(op, s): {"dtorch": [], "torch": []} for s in sizes for op in args.ops}
+    cpu = {(op, s): {"dtorch": [], "torch": []} for s in sizes for op in args.ops}
     checks = {}
     session = False
     try:
         dt.init(world_size=world, runner=args.runner, device_type=args.device)
         session = True
         mesh = dt.init_device_mesh(args.device, (world,))
+        pids = worker_pids()
         anchor.wait_ready()
         for r in range(args.rounds):
             for s in sizes:
                 for op in args.ops:
                     side = DtorchCollective(dt, mesh, op, s, dtype, world, args.warmup if r == 0 else 1)
-                    samples[op, s]["dtorch"].append(side.round(iters[s]))
+                    seconds, cpu_seconds = side.round(iters[s], pids)
+                    samples[op, s]["dtorch"].append(seconds)
+                    cpu[op, s]["dtorch"].append(cpu_seconds)
                     if r == 0 and s <= args.check_max:  # the check fetches the result to this process
                         checks[op, s] = side.check(world)
                     side = None
                     gc.collect()
                     dt.synchronize()
-                    samples[op, s]["torch"].append(anchor.run_round(r, f"{op}-{s}")["seconds"])
+                    done = anchor.run_round(r, f"{op}-{s}")
+                    samples[op, s]["torch"].append(done["seconds"])
+                    cpu[op, s]["torch"].append(done["cpu_seconds"])
                     print(f"round {r} {op} {cc.format_size(s)}: dtorch {samples[op, s]['dtorch'][-1] * 1e6:.1f} us, "
                           f"torch {samples[op, s]['torch'][-1] * 1e6:.1f} us", flush=True)
         fallbacks = dt.fallback_counts()
@@ -187,11 +211,20 @@ def main(argv=None) -> int:
             alg = {k: nbytes / v / 1e9 for k, v in t.items()}
             bus = {k: v * cc.bus_factor(op, world) for k, v in alg.items()}
             ratio = t["torch"] / t["dtorch"]
+            host = {k: stat(v) for k, v in cpu[op, s].items()}
             rows.append({"op": op, "size": s, "seconds": t, "algbw_GBps": alg, "busbw_GBps": bus, "ratio": ratio,
-                         "samples": samples[op, s]})
+                         "cpu_seconds": host, "samples": samples[op, s], "cpu_samples": cpu[op, s]})
             print(f"{op:<16}{cc.format_size(s):>9}{t['dtorch'] * 1e6:>12.1f}{t['torch'] * 1e6:>12.1f}"
                   f"{alg['dtorch']:>14.2f}{bus['dtorch']:>8.2f}{alg['torch']:>13.2f}{bus['torch']:>8.2f}{ratio:>14.3f}")
     print("(GB/s = 1e9 bytes/s; target dtorch/torch >= 0.95)")
+    print()
+    print("time and host CPU per redistribution against the direct call (CPU: the controller and every worker "
+          "process, against every torchrun rank; target time ratio <= 1.3 where host cost dominates)")
+    print(f"{'collective':<16}{'size':>9}{'time x':>9}{'dtorch cpu us':>15}{'torch cpu us':>14}{'cpu x':>8}")
+    for row in rows:
+        host, t = row["cpu_seconds"], row["seconds"]
+        print(f"{row['op']:<16}{cc.format_size(row['size']):>9}{t['dtorch'] / t['torch']:>9.2f}"
+              f"{host['dtorch'] * 1e6:>15.1f}{host['torch'] * 1e6:>14.1f}{host['dtorch'] / host['torch']:>8.2f}")
     print(f"bench wall time {elapsed:.1f}s")
     worst = min(rows, key=lambda r: r["ratio"])
     largest = [r for r in rows if r["size"] == max(sizes)]
