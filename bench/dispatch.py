@@ -57,6 +57,7 @@ PAUSED_ROW = ("controller_workers_paused", "  diag: dtorch controller ({runner})
 ANCHOR_ROWS = (("dtensor", "DTensor (torchrun x{world}, gloo, rank 0)"),
                ("plain_torch", "plain torch (local 64x64, 1 process)"))
 TARGET_REMOTE_OVER_PROCESS = 1.2  # issue 16: the remote runner's controller cost per op
+TARGET_CONTROLLER_OVER_DTENSOR = 0.5  # issue 18: the controller's cost per op, with the native hot path
 
 
 def row_labels(sides: dict, world: int) -> dict:
@@ -326,6 +327,9 @@ def main(argv=None) -> int:
     if "remote" in sides.values():
         print(f"remote workers: `dtorch worker` x{world} on 127.0.0.1 (launcher mode), nice "
               f"{worker_nice(world)} like the process runner's workers")
+    from dtorch_core.planner import native_dispatch
+
+    print(f"controller hot path: {native_dispatch.active()}")
     print("values checked against torch: " + ", ".join(f"{k} {v}" for k, v in values_ok.items()))
     busy = max(load_before, load_after) > 0.5 * (os.cpu_count() or 1)
     print(f"load average before/after: {load_before:.2f}/{load_after:.2f}"
@@ -344,7 +348,7 @@ def main(argv=None) -> int:
             print(f"ratio remote/process, {RATIO_ROWS[key]:<28}" + "  ".join(f"{s} {per[s]:.2f}" for s in streams))
     print(f"ratio dtorch_controller/dtensor (mix) = {ratio_mix:.2f}")
     print(f"bench wall time {elapsed:.1f}s")
-    print(f"ratio dtorch_controller/dtensor = {ratio:.2f} (target <= 1.0)")
+    print(f"ratio dtorch_controller/dtensor = {ratio:.2f} (target <= {TARGET_CONTROLLER_OVER_DTENSOR})")
     if remote_ratios:
         print(f"ratio remote/process controller = {remote_ratios['controller']['add']:.2f} "
               f"(target <= {TARGET_REMOTE_OVER_PROCESS})")
@@ -365,6 +369,7 @@ def main(argv=None) -> int:
                     "samples_us_per_op": samples,
                     "values_ok": values_ok,
                     "dtensor_env": {k: v for k, v in anchor_final.items() if k != "samples_us"},
+                    "hot_path": native_dispatch.active(),
                     "ratio_dtorch_controller_over_dtensor": ratio,
                     "ratio_dtorch_controller_over_dtensor_mix": ratio_mix,
                     "ratio_remote_over_process": remote_ratios,
