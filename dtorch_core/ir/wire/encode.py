@@ -54,12 +54,17 @@ _write_calls = None
 _write_ids = None
 
 
+# the fields the native writers know; a class that gains a field is written in Python until they do
+_NATIVE_FIELDS = {_CALL: ("plan_id", "inputs", "outputs", "source", "seed"), _DELETE: ("tids",)}
+
+
 def set_call_writer(writer, ids_writer=None) -> None:
     """Write runs of Calls in batches with ``writer(body, batch, start, memo, Call, prefix) -> next
     index``, and Deletes with ``ids_writer(body, prefix, tids) -> written`` (None: in Python)."""
     global _write_calls, _write_ids
-    _write_calls = writer
-    _write_ids = ids_writer
+    known = {cls: _CLASSES[cls].names == names for cls, names in _NATIVE_FIELDS.items()}
+    _write_calls = writer if known[_CALL] else None
+    _write_ids = ids_writer if known[_DELETE] else None
 
 
 def _kind_of(obj) -> int:
