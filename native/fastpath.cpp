@@ -9,14 +9,18 @@
 // Python frame. Any other case (a cache miss, a plan
 // that moves data, plain tensors, a closed session, inputs of several sessions, a shadowed emit
 // while dt.compile records) goes to the Python dispatcher, which builds, runs or raises exactly
-// as before; so results, errors and traces are the Python path's.
+// as before; so results, errors and traces are the Python path's. Beside it: handle.cpp (the
+// Handle type), user_source.cpp (the op's source line), key_hash.h (the key's hash) and
+// encode_calls.cpp (the wire encoder's Calls and Deletes).
 #include <Python.h>
 #include <structmember.h>
 #include <nanobind/nanobind.h>
 
-#include <unordered_map>
-
 #include "encode_calls.h"
+#include "handle.h"
+#include "key_hash.h"
+#include "ref.h"
+#include "user_source.h"
 #include "slots.h"
 
 namespace nb = nanobind;
@@ -48,40 +52,6 @@ struct Config {
 };
 Config cfg;
 
-// -- the plan-cache key's hash ---------------------------------------------------------------
-// A lookup hashes its key; Python would call OpOverload.__hash__ and TensorSpec.__hash__ (Python
-// functions) for every op. The key's hash is computed here instead from the parts' hashes, with
-// CPython's tuple hash (Objects/tupleobject.c, the same since 3.8; configure() checks it against
-// hash() and turns this off if they differ): an op's hash is kept per op object, a spec's is the
-// one attrs cached on it. The dict then compares keys as ever, so a hit is the Python path's hit.
-static_assert(sizeof(Py_uhash_t) == 8, "the tuple hash below is CPython's 64-bit one");
-struct TupleHash {
-    Py_uhash_t acc = 2870177450012600261ULL;
-    Py_ssize_t n = 0;
-    void add(Py_hash_t lane) {
-        acc += (Py_uhash_t)lane * 14029467366897019727ULL;
-        acc = (acc << 31) | (acc >> 33);
-        acc *= 11400714785074694791ULL;
-        ++n;
-    }
-    Py_hash_t done() const {
-        Py_uhash_t h = acc + ((Py_uhash_t)n ^ (2870177450012600261ULL ^ 3527539UL));
-        return h == (Py_uhash_t)-1 ? 1546275796 : (Py_hash_t)h;
-    }
-};
-
-std::unordered_map<PyObject *, Py_hash_t> op_hashes;  // op -> hash(op); the ops are kept alive
-
-Py_hash_t op_hash(PyObject *op) {
-    auto it = op_hashes.find(op);
-    if (it != op_hashes.end()) return it->second;
-    Py_hash_t h = PyObject_Hash(op);
-    if (h == -1) return -1;
-    Py_INCREF(op);
-    op_hashes.emplace(op, h);
-    return h;
-}
-
 Py_hash_t spec_hash(PyObject *spec) {
     if (cfg.spec_hash >= 0 && Py_TYPE(spec) == (PyTypeObject *)cfg.spec) {
         PyObject *cached = slot_get(spec, cfg.spec_hash);
@@ -94,23 +64,10 @@ Py_hash_t spec_hash(PyObject *spec) {
     return PyObject_Hash(spec);  // the first time: attrs computes and caches it
 }
 
-// hash(x) for a key built by key_of, recursively by the rule above (nullptr-free: -1 on error).
-Py_hash_t generic_hash(PyObject *x) {
-    if (!PyTuple_CheckExact(x)) return PyObject_Hash(x);
-    TupleHash h;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(x); ++i) {
-        Py_hash_t lane = generic_hash(PyTuple_GET_ITEM(x, i));
-        if (lane == -1) return -1;
-        h.add(lane);
-    }
-    return h.done();
-}
-
 // Interned attribute names.
 PyObject *s_spec, *s_handle, *s_view, *s_session, *s_tid, *s_closed, *s_plans, *s_fast, *s_run,
     *s_pending, *s_flush_at, *s_flush, *s_emit, *s_track_source, *s_next_seed, *s_tid_counter,
-    *s_dict, *s_append, *s_plan_id, *s_inputs, *s_outputs, *s_source, *s_seed, *s_co_filename,
-    *s_startswith, *s_view_state;
+    *s_dict, *s_append, *s_plan_id, *s_inputs, *s_outputs, *s_source, *s_seed, *s_view_state;
 
 PyObject *intern(const char *name) {
     PyObject *s = PyUnicode_InternFromString(name);
@@ -118,16 +75,6 @@ PyObject *intern(const char *name) {
     return s;
 }
 
-// An owned reference that is released at scope exit.
-struct Ref {
-    PyObject *p;
-    explicit Ref(PyObject *p = nullptr) : p(p) {}
-    ~Ref() { Py_XDECREF(p); }
-    Ref(const Ref &) = delete;
-    Ref &operator=(const Ref &) = delete;
-    PyObject *release() { PyObject *r = p; p = nullptr; return r; }
-    explicit operator bool() const { return p != nullptr; }
-};
 
 enum class Key { ok, python, error };
 
@@ -198,165 +145,6 @@ PyObject *plan_for(PyObject *plans, PyObject *key, Py_hash_t hash) {
     if (!plan) PyErr_Clear();
     return plan;
 }
-
-// The (file, line) tuples of the last frames seen, by (code, instruction): a frame's line number
-// is found by walking its code's line table from the start (for every op, in every user function
-// that issues ops), and this also keeps one tuple per source line instead of one per op.
-struct SourceEntry {
-    PyObject *code = nullptr;  // strong references: the code's address cannot be reused
-    int lasti = -1;
-    PyObject *source = nullptr;
-};
-SourceEntry source_cache[256];
-
-PyObject *frame_source(PyFrameObject *frame, PyObject *code) {
-#if PY_VERSION_HEX >= 0x030B0000
-    int lasti = PyFrame_GetLasti(frame);
-    SourceEntry &entry = source_cache[(((uintptr_t)code >> 4) ^ ((uintptr_t)lasti * 2654435761u)) & 255];
-    if (entry.code == code && entry.lasti == lasti) {
-        Py_INCREF(entry.source);
-        return entry.source;
-    }
-#endif
-    Ref name(PyObject_GetAttr(code, s_co_filename));
-    if (!name) return nullptr;
-    Ref lineno(PyLong_FromLong(PyFrame_GetLineNumber(frame)));
-    if (!lineno) return nullptr;
-    PyObject *source = PyTuple_Pack(2, name.p, lineno.p);
-#if PY_VERSION_HEX >= 0x030B0000
-    if (source) {
-        Py_INCREF(code);
-        Py_INCREF(source);
-        Py_XDECREF(entry.code);
-        Py_XDECREF(entry.source);
-        entry.code = code;
-        entry.lasti = lasti;
-        entry.source = source;
-    }
-#endif
-    return source;
-}
-
-// (file, line) of the innermost frame outside dtorch and torch (planner/source.py's
-// user_source), or None.
-PyObject *user_source() {
-    PyFrameObject *frame = PyEval_GetFrame();  // borrowed
-    Py_XINCREF(frame);
-    while (frame) {
-        Ref code((PyObject *)PyFrame_GetCode(frame));
-        PyObject *flag = PyDict_GetItemWithError(cfg.internal_code, code.p);  // borrowed
-        bool internal;
-        if (flag) {
-            internal = flag == Py_True;
-        } else {
-            if (PyErr_Occurred()) { Py_DECREF(frame); return nullptr; }
-            Ref name(PyObject_GetAttr(code.p, s_co_filename));
-            if (!name) { Py_DECREF(frame); return nullptr; }
-            Ref starts(PyObject_CallMethodOneArg(name.p, s_startswith, cfg.prefixes));
-            if (!starts) { Py_DECREF(frame); return nullptr; }
-            internal = starts.p == Py_True;
-            if (PyDict_SetItem(cfg.internal_code, code.p, internal ? Py_True : Py_False) < 0) {
-                Py_DECREF(frame);
-                return nullptr;
-            }
-        }
-        if (!internal) {
-            PyObject *source = frame_source(frame, code.p);
-            Py_DECREF(frame);
-            return source;
-        }
-        PyFrameObject *back = PyFrame_GetBack(frame);  // new reference or NULL
-        Py_DECREF(frame);
-        frame = back;
-    }
-    Py_RETURN_NONE;
-}
-
-// The handle of a tensor id (dtorch_core.tensor.Handle in C): when it dies it tells the session
-// to free the id on the workers, as Handle.__del__ does, without a Python frame: it appends the
-// id to the session's release queue, or calls the session's release where something shadows it
-// on the instance (dt.compile's recording does). Errors are dropped, as Handle.__del__ drops
-// them (at interpreter shutdown there is nothing left to free).
-struct HandleObject {
-    PyObject_HEAD
-    PyObject *tid;
-    PyObject *session;
-    PyObject *weakrefs;
-};
-PyObject *s_releases, *s_release;
-PyTypeObject *handle_type = nullptr;
-
-void release_id(PyObject *session, PyObject *tid) {
-    Ref dict(PyObject_GetAttr(session, s_dict));
-    PyObject *shadow = dict ? PyDict_GetItemWithError(dict.p, s_release) : nullptr;
-    if (shadow) {
-        Ref r(PyObject_CallOneArg(shadow, tid));
-    } else if (dict && !PyErr_Occurred()) {
-        Ref queue(PyObject_GetAttr(session, s_releases));
-        if (queue) Ref r(PyObject_CallMethodOneArg(queue.p, s_append, tid));
-    }
-    PyErr_Clear();
-}
-
-void handle_dealloc(PyObject *self) {
-    auto *h = (HandleObject *)self;
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    if (h->weakrefs) PyObject_ClearWeakRefs(self);
-    if (h->session && h->tid) release_id(h->session, h->tid);
-    PyErr_Restore(type, value, traceback);
-    Py_CLEAR(h->tid);
-    Py_CLEAR(h->session);
-    PyTypeObject *tp = Py_TYPE(self);
-    tp->tp_free(self);
-    Py_DECREF(tp);
-}
-
-PyObject *handle_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
-    PyObject *tid, *session;
-    static const char *names[] = {"tid", "session", nullptr};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OO:Handle", (char **)names, &tid, &session)) return nullptr;
-    auto *h = (HandleObject *)type->tp_alloc(type, 0);
-    if (!h) return nullptr;
-    Py_INCREF(tid); h->tid = tid;
-    Py_INCREF(session); h->session = session;
-    return (PyObject *)h;
-}
-
-// handle.session or handle.tid (a new reference), without an attribute lookup for our own Handle
-PyObject *handle_field(PyObject *handle, bool session) {
-    if (Py_TYPE(handle) == handle_type) {
-        PyObject *value = session ? ((HandleObject *)handle)->session : ((HandleObject *)handle)->tid;
-        if (value) {
-            Py_INCREF(value);
-            return value;
-        }
-    }
-    return PyObject_GetAttr(handle, session ? s_session : s_tid);
-}
-
-PyObject *new_handle(PyObject *tid, PyObject *session) {
-    auto *h = (HandleObject *)handle_type->tp_alloc(handle_type, 0);
-    if (!h) return nullptr;
-    Py_INCREF(tid); h->tid = tid;
-    Py_INCREF(session); h->session = session;
-    return (PyObject *)h;
-}
-
-PyMemberDef handle_members[] = {
-    {"tid", T_OBJECT_EX, offsetof(HandleObject, tid), 0, "the tensor id"},
-    {"session", T_OBJECT_EX, offsetof(HandleObject, session), 0, "the session that made the id"},
-    {"__weaklistoffset__", T_PYSSIZET, offsetof(HandleObject, weakrefs), READONLY, nullptr},
-    {nullptr, 0, 0, 0, nullptr},
-};
-PyType_Slot handle_slots[] = {
-    {Py_tp_dealloc, (void *)handle_dealloc},
-    {Py_tp_new, (void *)handle_new},
-    {Py_tp_members, handle_members},
-    {Py_tp_doc, (void *)"Owns a tensor id; frees it on the workers when it dies (dtorch_core.tensor.Handle)."},
-    {0, nullptr},
-};
-PyType_Spec handle_spec = {"dtorch_core._fastpath.Handle", sizeof(HandleObject), 0, Py_TPFLAGS_DEFAULT, handle_slots};
 
 // A new Call with its fields set, without running its __init__ (the frozen attrs Call's
 // __init__ only stores them). It holds numbers, tuples of numbers and a source, so it can be in
@@ -632,8 +420,8 @@ NB_MODULE(_fastpath, m) {
     s_emit = intern("emit"); s_track_source = intern("track_source"); s_next_seed = intern("next_seed");
     s_tid_counter = intern("_tid"); s_dict = intern("__dict__"); s_append = intern("append");
     s_plan_id = intern("plan_id"); s_inputs = intern("inputs"); s_outputs = intern("outputs");
-    s_source = intern("source"); s_seed = intern("seed"); s_co_filename = intern("co_filename");
-    s_startswith = intern("startswith"); s_view_state = intern("_view_state");
+    s_source = intern("source"); s_seed = intern("seed");
+    s_view_state = intern("_view_state");
 
     m.def("configure", [](nb::object dtensor, nb::object tensor, nb::object direct_plan, nb::object call,
                           nb::object make_wrapper, nb::object fallback, nb::dict internal_code, nb::tuple prefixes,
@@ -644,6 +432,7 @@ NB_MODULE(_fastpath, m) {
         cfg.dtensor = objs[0]; cfg.tensor = objs[1]; cfg.direct_plan = objs[2]; cfg.call = objs[3];
         cfg.make_wrapper = objs[4]; cfg.fallback = objs[5]; cfg.internal_code = objs[6]; cfg.prefixes = objs[7];
         cfg.spec = objs[8];
+        if (!configure_user_source(cfg.internal_code, cfg.prefixes)) throw nb::python_error();
         cfg.wrapper_kwnames = Py_BuildValue("(ssss)", "strides", "dtype", "device", "requires_grad");
         cfg.empty_tuple = PyTuple_New(0);
         cfg.empty_dict = PyDict_New();
@@ -666,9 +455,7 @@ NB_MODULE(_fastpath, m) {
     m.def("known_hash", []() { return cfg.known_hash; },
           "Whether plan-cache keys are hashed here (True) or by hash() (the check at configure failed).");
 
-    s_releases = intern("_releases"); s_release = intern("release");
-    handle_type = (PyTypeObject *)PyType_FromSpec(&handle_spec);
-    if (!handle_type) throw nb::python_error();
+    if (!init_handle_type()) throw nb::python_error();
     Py_INCREF(handle_type);
     if (PyModule_AddObject(m.ptr(), "Handle", (PyObject *)handle_type) < 0) throw nb::python_error();
     PyObject *fn = PyCFunction_NewEx(&dispatch_def, nullptr, m.ptr());
