@@ -395,6 +395,14 @@ def test_process_runner_python_path_gives_the_same_error(runner, mesh1d, monkeyp
 _decode_module = importlib.import_module("dtorch_core.ir.wire.decode")
 
 
+def _native_reader():
+    """The extension's Call reader, also where DTORCH_NATIVE_WORKER=0 keeps the decoder off it."""
+    from dtorch_core import _workerpath
+
+    _workerpath.configure_calls(Call)
+    return _workerpath.read_calls
+
+
 def _decoded(data, native_reader):
     """``wire.decode(data)`` with the native Call reader on or off: the value, or the WireError's text."""
     saved = _decode_module._read_calls
@@ -424,8 +432,7 @@ def _calls_batch():
 
 @needs_native
 def test_native_call_reader_decodes_what_python_decodes():
-    reader = _decode_module._read_calls or _decode_module._native_call_reader()
-    assert reader is not None
+    reader = _native_reader()
     batch = _calls_batch()
     data = wire.encode(batch)
     assert _decoded(data, reader) == _decoded(data, None) == batch
@@ -438,7 +445,7 @@ def test_native_call_reader_decodes_what_python_decodes():
 def test_native_call_reader_rejects_what_python_rejects():
     """Flipped, dropped and inserted bytes in a batch of Calls: both decoders give the same value
     or the same WireError (message and offset); nothing crashes."""
-    reader = _decode_module._read_calls or _decode_module._native_call_reader()
+    reader = _native_reader()
     data = wire.encode(_calls_batch())
     body_len = int.from_bytes(data[4:8], "little")
     rng = random.Random(0)
