@@ -109,10 +109,12 @@ def test_info_in_process_reports_disabled_plugins(clean_env, capsys):
     assert info["disabled_plugins"] == ["dtorch.runtime"]
     # the builtin runners are gone; an installed plugin (dtorch_zmq: remote) still adds its own
     assert not {"inline", "thread", "process"} & set(info["runners"])
-    # (DTORCH_NATIVE_DISPATCH is set for a whole run, as CI's second pass sets it: reported too)
-    environment = {k: v for k, v in info["environment"].items() if k != "DTORCH_NATIVE_DISPATCH"}
+    # (the native switches are set for a whole run, as CI's second pass sets them: reported too)
+    switches = ("DTORCH_NATIVE_DISPATCH", "DTORCH_NATIVE_WORKER")
+    environment = {k: v for k, v in info["environment"].items() if k not in switches}
     assert environment == {"DTORCH_DISABLE_PLUGINS": "dtorch.runtime"}
-    assert info["environment"].get("DTORCH_NATIVE_DISPATCH") == os.environ.get("DTORCH_NATIVE_DISPATCH")
+    for name in switches:
+        assert info["environment"].get(name) == os.environ.get(name)
 
 
 def test_no_command_prints_help(clean_env, capsys):
