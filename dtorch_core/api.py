@@ -52,7 +52,8 @@ def init(world_size: int | None = None, *, runner: str | None = None, device_typ
 
     ``runner`` defaults to ``$DTORCH_RUNNER`` or ``"thread"``; ``world_size`` to
     ``$DTORCH_WORLD_SIZE`` or 1. ``strict=True`` (or ``DTORCH_STRICT=1``) makes ops without a
-    sharding rule raise instead of running replicated.
+    sharding rule raise instead of running replicated, and refuses surprising gathers
+    (docs/explain.md); ``dt.set_strict(True, gathers=False)`` keeps only the first.
     """
     ensure_configured()
     if _session_mod._session is not None:
@@ -71,6 +72,7 @@ def init(world_size: int | None = None, *, runner: str | None = None, device_typ
     runner_obj = make_runner(world_size, device_type=device_type, timeout=timeout, plugins=plugins, **options)
     session = Session(runner_obj, ops=plugins.registry("ops"), kernels=plugins.registry("kernels"),
                       strict=strict, timeout=timeout)
+    _gathers.set_refuse(session, strict)
     _session_mod.set_session(session)
     _explain.attach_new_session(session)  # a running dt.explain (dtorch run --explain) sees it
     log.debug("session started", runner=runner, world_size=world_size)
@@ -122,12 +124,15 @@ def gather_counts() -> dict[str, int]:
     return _gathers.gather_counts(current_session())
 
 
-def set_strict(strict: bool = True, *, gathers: bool = False) -> None:
-    """Make ops without a sharding rule raise (True) or run replicated with a warning (False);
-    ``gathers=True`` also refuses surprising gathers (docs/explain.md) with an ``OpError``."""
+def set_strict(strict: bool = True, *, gathers: bool | None = None) -> None:
+    """Make ops without a sharding rule raise (True) or run replicated with a warning (False).
+
+    ``gathers`` (default: the same as ``strict``) also refuses surprising gathers
+    (docs/explain.md) with an ``OpError``; ``set_strict(True, gathers=False)`` lets them run
+    (with their warning), ``set_strict(False, gathers=True)`` refuses only them."""
     session = current_session()
     session.strict = strict
-    _gathers.set_refuse(session, gathers)
+    _gathers.set_refuse(session, strict if gathers is None else gathers)
     session.plans.clear()
 
 

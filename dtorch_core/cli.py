@@ -251,7 +251,8 @@ class RunCommand:
         parser.add_argument("--world-size", type=_positive_int, metavar="N",
                             help="number of devices; sets DTORCH_WORLD_SIZE")
         parser.add_argument("--strict", action="store_true",
-                            help="ops without a sharding rule raise instead of running replicated")
+                            help="ops without a sharding rule raise instead of running replicated, and so do "
+                                 "surprising gathers (docs/explain.md); sets DTORCH_STRICT")
         parser.add_argument("--timeout", type=_positive_seconds, metavar="SECONDS",
                             help="how long a read waits for the workers; sets DTORCH_TIMEOUT")
         parser.add_argument("--explain", action="store_true",

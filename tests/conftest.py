@@ -112,14 +112,13 @@ def runner(_runner_name):
     if current is None or current.runner.name != _runner_name or current.world_size != WORLD_SIZE:
         dt.init(world_size=WORLD_SIZE, runner=_runner_name, device_type=DEVICE)
     session = session_module._session
-    session.strict = False
+    dt.set_strict(False)  # both switches (rules and gathers); clears the plans, which depend on them
     session.fallback_counts.clear()
-    session.plans.clear()  # plans depend on strict mode
     dt.manual_seed(0)
     torch.manual_seed(0)
     yield _runner_name
-    if session_module._session is not None and session_module._session.strict:
-        session_module._session.strict = False
+    if session_module._session is not None:
+        dt.set_strict(False)
 
 
 @pytest.fixture

@@ -289,15 +289,15 @@ def test_strict_gathers_refuse_the_split(mesh1d, hot_path):
     xs = torch.randn(3, 6)
     x = dt.distribute_tensor(xs, mesh1d, [R])
     try:
-        dt.set_strict(True)  # plain strict mode refuses fallbacks only
+        dt.set_strict(True, gathers=False)  # refuses fallbacks only
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model(x)
-        dt.set_strict(True, gathers=True)
+        dt.set_strict(True)  # strict mode refuses the gather too
         with pytest.raises(dt.OpError, match=r"aten\.split\.Tensor in module FusedAttn .* all-gathers input 0 "
                                              r"\(3, 15\)\[Shard\(dim=1\)\]") as info:
             model(x)
-        assert "ColwiseParallel" in str(info.value) and "gathers=True" in str(info.value)
+        assert "ColwiseParallel" in str(info.value) and "gathers=False" in str(info.value)
         with dt.explain() as ex, pytest.raises(dt.OpError):
             model(x)
         (split,) = [r for r in ex.ops if r.op == "aten.split.Tensor"]
@@ -307,6 +307,50 @@ def test_strict_gathers_refuse_the_split(mesh1d, hot_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert_close(model(x).full_tensor(), ref(xs).detach())  # the refused plan was not kept
+
+
+@pytest.mark.parametrize("switches", [(False, True), (True, False)])
+def test_each_strict_switch_apart(mesh1d, switches):
+    """set_strict(rules, gathers=...) refuses only what it names: a fallback op, a surprising gather."""
+    rules, refuse_gathers = switches
+    _fresh_gather_log()
+    ref = FusedAttn()
+    model = dt.nn.parallelize_module(copy.deepcopy(ref), mesh1d, {"qkv": dt.nn.ColwiseParallel()})
+    xs = torch.randn(3, 6)
+    x = dt.distribute_tensor(xs, mesh1d, [R])
+    a = torch.randn(4, 6)
+    y = dt.distribute_tensor(a, mesh1d, [dt.Shard(1)])
+    try:
+        dt.set_strict(rules, gathers=refuse_gathers)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if refuse_gathers:
+                with pytest.raises(dt.OpError, match=r"aten\.split\.Tensor .*\(refused in strict mode"):
+                    model(x)
+                values = torch.sort(y, dim=1).values  # no rule: runs replicated
+                assert torch.equal(values.full_tensor(), torch.sort(a, dim=1).values)
+            else:
+                assert_close(model(x).full_tensor(), ref(xs).detach())
+                with pytest.raises(dt.FallbackRefusedError):
+                    torch.sort(y, dim=1)
+    finally:
+        dt.set_strict(False)
+
+
+def test_init_strict_refuses_gathers(monkeypatch):
+    """dt.init(strict=True) and DTORCH_STRICT=1 (which `dtorch run --strict` sets) refuse them too."""
+    for how in ("argument", "environment"):
+        if how == "environment":
+            monkeypatch.setenv("DTORCH_STRICT", "1")
+        dt.init(world_size=WORLD_SIZE, runner="inline", device_type=DEVICE,
+                strict=True if how == "argument" else None)
+        try:
+            mesh = dt.init_device_mesh(DEVICE, (WORLD_SIZE,))
+            model = dt.nn.parallelize_module(FusedAttn(), mesh, {"qkv": dt.nn.ColwiseParallel()})
+            with pytest.raises(dt.OpError, match=r"aten\.split\.Tensor in module FusedAttn"):
+                model(dt.distribute_tensor(torch.randn(3, 6), mesh, [R]))
+        finally:
+            dt.shutdown()
 
 
 SCRIPT = """

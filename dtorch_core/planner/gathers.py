@@ -20,8 +20,9 @@ dims of one device (nothing moves).
 
 Each call of such a plan is counted (``dt.gather_counts()``) and warns once per op, module and
 input placements (modules that differ only in list indices, ``blocks.0.attn`` and
-``blocks.1.attn``, are one module here: the warning names the first); ``dt.set_strict(True, gathers=True)`` makes the planner refuse the plan
-(:class:`OpError`, the warning's text).
+``blocks.1.attn``, are one module here: the warning names the first); strict mode
+(``dt.set_strict(True)``, ``DTORCH_STRICT=1``, ``dtorch run --strict``) makes the planner refuse
+the plan (:class:`OpError`, the warning's text).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class GatherLog:
 
     counts: collections.Counter = attrs.field(factory=collections.Counter)
     warned: set = attrs.field(factory=set)  # (op, module, placements)
-    refuse: bool = False  # dt.set_strict(..., gathers=True)
+    refuse: bool = False  # strict mode (dt.set_strict's gathers)
 
 
 @attrs.frozen
@@ -160,14 +161,14 @@ def describe(op: str, lost: tuple[LostShard, ...], mesh, module: str | None, sou
     return (f"dtorch: {op}{where}{at} all-gathers {'; '.join(parts)}, and its outputs stay replicated "
             "there: every worker holds and computes the whole result. To avoid it: "
             f"{advice(op)}; or redistribute yourself if you want the gather (explicit redistributions "
-            "never warn). dt.gather_counts() counts these; dt.set_strict(True, gathers=True) refuses them.")
+            "never warn). dt.gather_counts() counts these; strict mode (dt.set_strict(True)) refuses them.")
 
 
 def refuse_if_strict(session, op: str, lost, mesh) -> None:
     """Raise the warning's text as an OpError where the session refuses surprising gathers."""
     if log_of(session).refuse:
         text = describe(op, lost, mesh, module_name(module_chain()), user_source(2))
-        raise OpError(text.removeprefix("dtorch: ") + " (refused: dt.set_strict(..., gathers=True))")
+        raise OpError(text.removeprefix("dtorch: ") + " (refused in strict mode; dt.set_strict(True, gathers=False) lets it run)")
 
 
 @attrs.define(eq=False)
