@@ -11,6 +11,7 @@ from dtorch_core.errors import PlacementError
 from dtorch_core.mesh import DeviceMesh
 from dtorch_core.nn.parallelize import replicate_rest
 from dtorch_core.nn.styles import ParallelStyle
+from dtorch_core.nn.torch_styles import from_torch_style, is_torch_style
 
 from .batch import split_batch_on_entry
 from .errors import UnsupportedMeshDimError
@@ -66,6 +67,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *, sp_mode: str = "ulysses",
         chosen = {}
     named = dict(model.named_modules())
     for pattern, style in chosen.items():
+        if is_torch_style(style):  # torch.distributed.tensor.parallel's styles, as parallelize_module takes them
+            style = from_torch_style(style)
         if not isinstance(style, ParallelStyle):
             raise PlacementError(f"plan entry {pattern!r} is {style!r}, not a parallel style (dt.nn.ColwiseParallel, ...)")
         hits = [name for name in named if name and fnmatch.fnmatchcase(name, pattern)]

@@ -75,6 +75,23 @@ def test_plan_override(session):
         dtorch_hf.parallelize(T5EncoderModel(tiny_config("even")), make_mesh("tp4"), plan={"nope.*": dt.nn.ColwiseParallel()})
 
 
+def test_plan_of_torch_styles(session):
+    """plan= takes torch.distributed.tensor.parallel's styles as dt.nn.parallelize_module does."""
+    from torch.distributed.tensor import parallel as torch_tp
+
+    torch.manual_seed(0)
+    ref = T5EncoderModel(tiny_config("even")).eval()
+    model = T5EncoderModel(tiny_config("even")).eval()
+    model.load_state_dict(ref.state_dict())
+    plan = {"encoder.block.*.layer.1.DenseReluDense.wi_*": torch_tp.ColwiseParallel(),
+            "encoder.block.*.layer.1.DenseReluDense.wo": torch_tp.RowwiseParallel()}
+    dtorch_hf.parallelize(model, make_mesh("tp4"), plan=plan)
+    ffn = model.encoder.block[1].layer[1].DenseReluDense
+    assert (ffn.wi_0.weight.placements, ffn.wo.weight.placements) == ((dt.Shard(0),), (dt.Shard(1),))
+    ids = torch.randint(2, 64, (3, 7))
+    assert rel_err(model(input_ids=ids).last_hidden_state, ref(input_ids=ids).last_hidden_state) <= 1e-4
+
+
 class TinyMLP(nn.Module):
     def __init__(self):
         super().__init__()
