@@ -6,8 +6,9 @@ shards on the workers: the controller never holds a weight.
 2. ``dtorch_hf.parallelize`` lays it out on the mesh by its family's plan (a model no family
    serves is replicated), inside ``meta_as_uninitialised()``: every parameter and buffer
    becomes uninitialised shards on the workers.
-3. The controller reads only the safetensors headers (names, shapes) and sends each rank the
-   regions its shards hold; each worker reads them from the files itself (the kernel
+3. The controller reads only the weights files' headers (names, shapes; safetensors, or .bin
+   pickles loaded onto the meta device: ``weight_files``) and sends each rank the regions its
+   shards hold; each worker reads them from the files itself (the kernel
    ``dtorch_hf::read_weights``, converting the dtype).
 4. Buffers the files do not hold (non-persistent ones such as CLIP's ``position_ids``, or
    persistent ones a checkpoint left out) get the values the model's constructor gives them:
@@ -18,7 +19,6 @@ shards on the workers: the controller never holds a weight.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import time
 
@@ -29,8 +29,7 @@ from torch import nn
 import dtorch_core as dt
 from dtorch_core.api import meta_as_uninitialised
 from dtorch_core.checkpoint.calls import run_kernel
-from dtorch_core.checkpoint.kernels import open_data_file
-from dtorch_core.errors import CheckpointMismatchError, ConfigError, MaterializeError
+from dtorch_core.errors import CheckpointMismatchError, MaterializeError
 from dtorch_core.ir.instructions import Slot
 from dtorch_core.mesh import DeviceMesh, root_coordinate
 from dtorch_core.nn.kernel_call import call_kernel
@@ -40,59 +39,12 @@ from dtorch_core.tensor import DTensor
 from .errors import UnknownModelError
 from .lookup import family_for
 from .parallelize import parallelize
+from .weight_files import NotAPretrainedModelError, header, weight_files
 from .weights_kernel import READ_WEIGHTS_KERNEL
 
+__all__ = ["NotAPretrainedModelError", "load_model", "place_on_mesh"]
+
 log = structlog.get_logger(__name__)
-
-# the weight files of each library, in the order they are looked for (a sharded checkpoint's index first)
-WEIGHT_FILES = {
-    "diffusers": ("diffusion_pytorch_model.safetensors.index.json", "diffusion_pytorch_model.safetensors"),
-    "transformers": ("model.safetensors.index.json", "model.safetensors"),
-}
-
-
-class NotAPretrainedModelError(ConfigError):
-    """The directory is not a model or pipeline ``dtorch_hf.from_pretrained`` can load; the
-    message names what is missing (a file, a class, a supported pipeline)."""
-
-
-def _variant(name: str, variant: str | None) -> str:
-    if variant is None:
-        return name
-    stem, dot, ext = name.partition(".safetensors")
-    return f"{stem}.{variant}.safetensors{ext}" if dot else name
-
-
-def weight_files(directory: str, library: str, variant: str | None = None) -> dict:
-    """``{tensor name: file name}`` of the model in ``directory`` (a single safetensors file or
-    a sharded checkpoint with its index)."""
-    wanted = [_variant(n, variant) for n in WEIGHT_FILES[library]]
-    index, single = (os.path.join(directory, n) for n in wanted)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise NotAPretrainedModelError(f"{index} has no 'weight_map'; is it a safetensors index?")
-        return dict(weight_map)
-    if os.path.isfile(single):
-        return {name: wanted[1] for name in _header(directory, wanted[1])}
-    present = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
-    raise NotAPretrainedModelError(
-        f"{directory} has no weights: expected {wanted[1]} or {wanted[0]} (safetensors; .bin files are "
-        f"not read), found {present}")
-
-
-def _header(directory: str, file: str) -> dict:
-    """``{name: shape}`` of the tensors of one safetensors file (its header only; no data).
-    A name that leaves the directory, a link, or a file that is not safetensors raises
-    NotAPretrainedModelError naming it."""
-    try:
-        with open_data_file(directory, file) as f:
-            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
-    except Exception as exc:  # OSError, or safetensors' own error for a malformed header
-        raise NotAPretrainedModelError(f"{directory}: cannot read the weights file {file!r}: "
-                                       f"{type(exc).__name__}: {exc}") from exc
-
 
 def build_on_meta(cls, directory: str, library: str, torch_dtype=None):
     """``cls`` built from ``directory``'s config on the meta device, its initialisation recorded;
@@ -214,7 +166,7 @@ def load_model(cls, directory: str, library: str, mesh: DeviceMesh, *, torch_dty
 
 def _read_weights(model: nn.Module, directory: str, files: dict, read: dict) -> int:
     """Every worker reads its regions of the ``read`` tensors (qualified name -> file name)."""
-    headers = {f: _header(directory, f) for f in sorted({files[n] for n in read.values()})}
+    headers = {f: header(directory, f) for f in sorted({files[n] for n in read.values()})}
     by_mesh: dict = {}
     mismatched = {}
     for qualname, key in read.items():

@@ -1,12 +1,12 @@
 """The worker kernel of ``from_pretrained``: read this rank's regions of named tensors of a
-model directory's safetensors files into its local shards, converting the dtype.
+model directory's weights files (safetensors or .bin) into its local shards, converting the dtype.
 
 The core checkpoint kernel (``dtorch::checkpoint_read``) refuses to convert, since a dtorch
 checkpoint holds the dtypes it was saved with; a HuggingFace directory often holds fp32 or bf16
 weights that a pipeline loads in another dtype (``torch_dtype=``), so here each region is
-copied with ``copy_``, which converts. Files are opened as the core kernel opens them
-(``open_data_file``: a regular file directly inside the directory, no links), mmap'd, and
-only the regions asked for are read.
+copied with ``copy_``, which converts. Files are opened by ``weight_files.open_weights`` (as
+the core kernel opens its files: a regular file directly inside the directory, no links),
+mmap'd, and only the regions asked for are read.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from collections import defaultdict
 
 import torch
 
-from dtorch_core.checkpoint.kernels import CheckpointFileError, open_data_file
-from dtorch_core.checkpoint.layout import as_slices
+from dtorch_core.checkpoint.kernels import CheckpointFileError
+
+from .weight_files import open_weights
 
 READ_WEIGHTS_KERNEL = "dtorch_hf::read_weights"
 
@@ -32,14 +33,13 @@ def read_weights_kernel(*dests, directory: str, reads: tuple):
     nbytes = 0
     for file, items in by_file.items():
         try:
-            with open_data_file(directory, file) as f:
+            with open_weights(directory, file) as f:
                 for slot, _file, name, shape, region in items:
-                    piece = f.get_slice(name)
-                    if tuple(piece.get_shape()) != tuple(shape):
-                        raise ValueError(f"holds {name!r} of shape {tuple(piece.get_shape())}, expected {tuple(shape)}")
+                    if f.shape(name) != tuple(shape):
+                        raise ValueError(f"holds {name!r} of shape {f.shape(name)}, expected {tuple(shape)}")
                     if dests[slot].numel() == 0:
                         continue
-                    value = piece[as_slices(region)]
+                    value = f.read(name, region)
                     with torch.no_grad():
                         dests[slot].copy_(value.reshape(dests[slot].shape))
                     nbytes += value.numel() * value.element_size()

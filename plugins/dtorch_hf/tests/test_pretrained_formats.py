@@ -1,0 +1,180 @@
+"""``dtorch_hf.from_pretrained`` of checkpoints in other forms than one model's safetensors:
+``.bin`` (pickle) weights, single and sharded (``*.bin.index.json``), of T5 and of the Flux and
+SD3 transformers, on tp=4 and tp=2 x sp=2; safetensors winning over .bin; corrupt, truncated
+and unsafe .bin files refused; diffusers' legacy VAE attention key names. Against transformers'
+and diffusers' own ``from_pretrained`` of the same directory, on every runner."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import dtorch_hf
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+from diffusers.utils import logging as diffusers_logging
+from hf_testing import rel_err, tiny_config
+from test_flux import CONFIG as FLUX_CONFIG
+from test_flux import _inputs as flux_inputs
+from test_pretrained import _assert_same_weights, sent_bytes
+from test_sd3 import CONFIG as SD3_CONFIG
+from test_sd3 import _inputs as sd3_inputs
+from transformers import T5ForConditionalGeneration
+
+import dtorch_core as dt
+from dtorch_core.errors import CheckpointMismatchError
+
+MESHES = {"tp4": ((4,), ("tp",)), "tp2xsp2": ((2, 2), ("tp", "sp"))}
+
+
+def _mesh(name):
+    shape, names = MESHES[name]
+    return dt.init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _save_bin_shards(state: dict, directory, stem: str, shards: int) -> None:
+    # the sharded .bin layout both libraries write: stem-0000i-of-0000n.bin and stem.bin.index.json
+    names = list(state)
+    weight_map = {}
+    for i in range(shards):
+        file = f"{stem}-{i + 1:05d}-of-{shards:05d}.bin"
+        part = {n: state[n] for n in names[i::shards]}
+        torch.save(part, os.path.join(directory, file))
+        weight_map.update(dict.fromkeys(part, file))
+    with open(os.path.join(directory, f"{stem}.bin.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def _t5_bin_dir(path, sharded: bool) -> str:
+    # transformers 5 writes safetensors only: the .bin files are what transformers 4's
+    # save_pretrained(safe_serialization=False) wrote (torch.save of the state dict; tied keys too)
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(tiny_config("uneven"))   # 5 heads, d_ff 37
+    model.save_pretrained(path)
+    os.remove(os.path.join(path, "model.safetensors"))
+    if sharded:
+        _save_bin_shards(model.state_dict(), path, "pytorch_model", 3)
+    else:
+        torch.save(model.state_dict(), os.path.join(path, "pytorch_model.bin"))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def t5_bin(tmp_path_factory):
+    return {kind: _t5_bin_dir(tmp_path_factory.mktemp(f"t5-{kind}"), kind == "sharded")
+            for kind in ("single", "sharded")}
+
+
+@pytest.fixture(scope="module")
+def transformers_bin(tmp_path_factory):
+    """Flux in one ``diffusion_pytorch_model.bin``, SD3 sharded into several ``.bin`` files, as
+    diffusers' ``save_pretrained(safe_serialization=False)`` writes them."""
+    diffusers_logging.set_verbosity_error()
+    out = {}
+    for kind, cls, config, shard in (("flux", FluxTransformer2DModel, FLUX_CONFIG, "10GB"),
+                                     ("sd3", SD3Transformer2DModel, SD3_CONFIG, "20KB")):
+        torch.manual_seed(0)
+        path = tmp_path_factory.mktemp(f"{kind}-bin")
+        cls(**config).save_pretrained(path, safe_serialization=False, max_shard_size=shard)
+        out[kind] = (cls, str(path))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["single", "sharded"])
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+def test_t5_from_bin(session, monkeypatch, t5_bin, kind, mesh_name):
+    path = t5_bin[kind]
+    files = [f for f in os.listdir(path) if f.endswith(".bin")]
+    assert len(files) == (3 if kind == "sharded" else 1) and not any(f.endswith(".safetensors") for f in os.listdir(path))
+    sent = sent_bytes(monkeypatch)
+    model = dtorch_hf.from_pretrained(path, mesh=_mesh(mesh_name))
+    assert sum(sent) == 0, sent          # the workers read every weight themselves
+    ref = T5ForConditionalGeneration.from_pretrained(path).eval()
+    assert dt.Shard(0) in model.encoder.block[0].layer[0].SelfAttention.q.weight.placements
+    assert model.lm_head.weight is model.shared.weight
+    _assert_same_weights(model, ref)
+    ids = torch.randint(2, 64, (3, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(input_ids=ids, decoder_input_ids=ids[:, :4]).logits
+        want = ref(input_ids=ids, decoder_input_ids=ids[:, :4]).logits
+    assert rel_err(got, want) <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["flux", "sd3"])
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+def test_diffusion_transformer_from_bin(session, transformers_bin, kind, mesh_name):
+    cls, path = transformers_bin[kind]
+    files = os.listdir(path)
+    if kind == "sd3":
+        assert "diffusion_pytorch_model.bin.index.json" in files and sum(f.endswith(".bin") for f in files) > 1
+    else:
+        assert "diffusion_pytorch_model.bin" in files
+    model = dtorch_hf.from_pretrained(path, mesh=_mesh(mesh_name))
+    # diffusers looks for a sharded .bin index only when told use_safetensors=False
+    ref = cls.from_pretrained(path, use_safetensors=False).eval()
+    assert type(model) is cls
+    assert dt.Shard(0) in model.transformer_blocks[0].attn.to_q.weight.placements
+    _assert_same_weights(model, ref)
+    x = flux_inputs(3, 5, 7, 1) if kind == "flux" else sd3_inputs(6, 10, 7, 1)   # 15 image + 7 text tokens
+    with torch.no_grad():
+        got, want = model(**x).sample, ref(**x).sample
+    assert rel_err(got, want) <= 1e-4
+
+
+def test_safetensors_wins_over_bin(session, tmp_path):
+    # both formats present: safetensors is read (as transformers and diffusers read it); the .bin
+    # here holds other values, which would show
+    path = _t5_bin_dir(tmp_path, sharded=False)
+    state = torch.load(os.path.join(path, "pytorch_model.bin"), weights_only=True)
+    T5ForConditionalGeneration.from_pretrained(path).save_pretrained(path)     # model.safetensors beside it
+    torch.save({k: torch.zeros_like(v) for k, v in state.items()}, os.path.join(path, "pytorch_model.bin"))
+    model = dtorch_hf.from_pretrained(path, mesh=_mesh("tp4"))
+    ref = T5ForConditionalGeneration.from_pretrained(path).eval()
+    assert ref.shared.weight.abs().sum() > 0
+    _assert_same_weights(model, ref)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_bad_bin_files_name_the_file(session, tmp_path, t5_bin):
+    mesh = _mesh("tp4")
+    path = _t5_bin_dir(tmp_path / "t5", sharded=False)
+    with open(os.path.join(path, "pytorch_model.bin"), "rb") as f:
+        data = f.read()
+    bad = {
+        "truncated": data[: len(data) // 2],
+        "garbage": b"not a pickle at all",
+        # a pickle that would run a command when unpickled without weights_only
+        "unsafe": pickle.dumps({"shared.weight": _Exploit()}),
+    }
+    for kind, content in bad.items():
+        with open(os.path.join(path, "pytorch_model.bin"), "wb") as f:
+            f.write(content)
+        with pytest.raises(dtorch_hf.NotAPretrainedModelError, match="cannot read the weights file 'pytorch_model.bin'"):
+            dtorch_hf.from_pretrained(path, mesh=mesh)
+        assert not os.path.exists("pwned") and not os.path.exists(os.path.join(path, "pwned")), kind
+    # not a state dict
+    torch.save([torch.ones(2)], os.path.join(path, "pytorch_model.bin"))
+    with pytest.raises(dtorch_hf.NotAPretrainedModelError, match="'pytorch_model.bin'.*not a state dict"):
+        dtorch_hf.from_pretrained(path, mesh=mesh)
+    # one truncated shard of a sharded checkpoint: that shard is named
+    sharded = tmp_path / "sharded"
+    os.mkdir(sharded)
+    for f in os.listdir(t5_bin["sharded"]):
+        with open(os.path.join(t5_bin["sharded"], f), "rb") as src, open(sharded / f, "wb") as dst:
+            dst.write(src.read())
+    shard = sharded / "pytorch_model-00002-of-00003.bin"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(dtorch_hf.NotAPretrainedModelError, match="'pytorch_model-00002-of-00003.bin'"):
+        dtorch_hf.from_pretrained(sharded, mesh=mesh)
+    # a tensor missing from the .bin: the parameter is named, as for safetensors
+    state = torch.load(os.path.join(t5_bin["single"], "pytorch_model.bin"), weights_only=True)
+    del state["encoder.final_layer_norm.weight"]
+    torch.save(state, os.path.join(path, "pytorch_model.bin"))
+    with pytest.raises(CheckpointMismatchError, match="encoder.final_layer_norm.weight"):
+        dtorch_hf.from_pretrained(path, mesh=mesh)
