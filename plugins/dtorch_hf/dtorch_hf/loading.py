@@ -37,9 +37,15 @@ from dtorch_core.nn.parallelize import replicate_rest
 from dtorch_core.tensor import DTensor
 
 from .errors import UnknownModelError
+from .key_names import checkpoint_keys
 from .lookup import family_for
 from .parallelize import parallelize
-from .weight_files import NotAPretrainedModelError, header, weight_files
+from .weight_files import (
+    NotAPretrainedModelError,
+    header,
+    is_sharded_checkpoint,
+    weight_files,
+)
 from .weights_kernel import READ_WEIGHTS_KERNEL
 
 __all__ = ["NotAPretrainedModelError", "load_model", "place_on_mesh"]
@@ -127,22 +133,25 @@ def _tensor(model: nn.Module, qualname: str):
 
 
 def load_model(cls, directory: str, library: str, mesh: DeviceMesh, *, torch_dtype=None,
-               sp_mode: str = "ulysses", variant: str | None = None) -> nn.Module:
+               sp_mode: str = "ulysses", variant: str | None = None, key_mapping: dict | None = None) -> nn.Module:
     """``cls`` (a diffusers ModelMixin or transformers PreTrainedModel class) loaded from
     ``directory`` onto ``mesh``: built on the meta device, laid out by its family, each worker
-    reading its own shards from the safetensors files."""
+    reading its own shards from the weights files (checkpoint keys renamed as the library renames
+    them, ``key_names``; ``key_mapping``: transformers' regexes)."""
     start = time.monotonic()
     directory = os.path.abspath(directory)  # the workers may run in another cwd
     files = weight_files(directory, library, variant)
     model, trace = build_on_meta(cls, directory, library, torch_dtype)
+    keys = checkpoint_keys(model, files, library, sharded=is_sharded_checkpoint(directory, library, variant),
+                           key_mapping=key_mapping)
     slots = _slots(model)
     originals = {q: _tensor(model, q) for q in slots}  # the recorded meta tensors
     _cast_on_meta(model, torch_dtype)
     read, computed, missing = {}, [], []
     for qualname, names in slots.items():
-        found = next((n for n in names if n in files), None)
+        found = next((n for n in names if n in keys), None)
         if found is not None:
-            read[qualname] = found
+            read[qualname] = keys[found]
         elif _is_parameter(model, qualname):
             missing.append(qualname)
         else:
@@ -151,7 +160,8 @@ def load_model(cls, directory: str, library: str, mesh: DeviceMesh, *, torch_dty
         raise CheckpointMismatchError(
             f"{directory} lacks weights of {cls.__name__}: {missing[:10]}{' ...' if len(missing) > 10 else ''} "
             f"({len(missing)} missing); is it a checkpoint of this model and config?", missing=missing)
-    unexpected = sorted(set(files) - {n for names in slots.values() for n in names})
+    used = {keys[n] for names in slots.values() for n in names if n in keys}
+    unexpected = sorted(set(files) - used)
     if unexpected:
         log.warning("weights the model does not use, left unread", model=cls.__name__, keys=unexpected[:10],
                     count=len(unexpected))

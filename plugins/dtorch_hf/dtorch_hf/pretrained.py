@@ -36,7 +36,7 @@ PIPELINES = ("StableDiffusion3Pipeline", "FluxPipeline")
 
 
 def from_pretrained(path, *, mesh: DeviceMesh, torch_dtype: torch.dtype | None = None, sp_mode: str = "ulysses",
-                    variant: str | None = None):
+                    variant: str | None = None, key_mapping: dict[str, str] | None = None):
     """Load the local pipeline or model at ``path`` onto ``mesh``.
 
     ``path`` is a directory written by ``save_pretrained``: a diffusers pipeline
@@ -45,10 +45,13 @@ def from_pretrained(path, *, mesh: DeviceMesh, torch_dtype: torch.dtype | None =
     Every model is built on the meta device and laid out by its family over the mesh's named
     dims (``"tp"``, ``"sp"`` with ``sp_mode``, ``"cfg"``; see ``dtorch_hf.parallelize``), or
     replicated where no family serves it; each worker reads its own shards from the
-    safetensors files, converting to ``torch_dtype`` (floating tensors; transformers'
-    float32-kept modules stay float32; without it each library's default: float32 for
-    diffusers, the config's ``dtype`` for transformers). ``variant`` picks
-    ``*.{variant}.safetensors`` files.
+    weights files (safetensors, or else ``.bin`` pickles, read with ``weights_only=True``),
+    converting to ``torch_dtype`` (floating tensors; transformers' float32-kept modules stay
+    float32; without it each library's default: float32 for diffusers, the config's ``dtype``
+    for transformers). ``variant`` picks ``*.{variant}.safetensors`` (``.bin``) files.
+    Checkpoint keys are renamed as each library renames them on load (diffusers' legacy
+    attention names; transformers' renamings); ``key_mapping`` is transformers' argument of that
+    name (``{regex: replacement}`` applied to the checkpoint keys of a transformers model).
     Nothing is downloaded: a path that is not such a directory raises
     ``NotAPretrainedModelError`` naming what is missing.
     """
@@ -58,10 +61,13 @@ def from_pretrained(path, *, mesh: DeviceMesh, torch_dtype: torch.dtype | None =
                                        "directories written by save_pretrained (nothing is downloaded)")
     options = {"mesh": mesh, "torch_dtype": torch_dtype, "sp_mode": sp_mode, "variant": variant}
     if os.path.isfile(os.path.join(path, "model_index.json")):
+        if key_mapping:
+            raise NotAPretrainedModelError(f"{path} is a pipeline; key_mapping renames the keys of one "
+                                           "transformers model's checkpoint")
         return load_pipeline(path, **options)
     if os.path.isfile(os.path.join(path, "config.json")):
         cls, library = model_class(path)
-        return load_model(cls, path, library, **options)
+        return load_model(cls, path, library, **options, key_mapping=key_mapping)
     raise NotAPretrainedModelError(
         f"{path} has neither model_index.json (a diffusers pipeline) nor config.json (a transformers or "
         f"diffusers model); found {sorted(os.listdir(path))}")

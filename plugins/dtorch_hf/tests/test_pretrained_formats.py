@@ -1,7 +1,8 @@
 """``dtorch_hf.from_pretrained`` of checkpoints in other forms than one model's safetensors:
 ``.bin`` (pickle) weights, single and sharded (``*.bin.index.json``), of T5 and of the Flux and
 SD3 transformers, on tp=4 and tp=2 x sp=2; safetensors winning over .bin; corrupt, truncated
-and unsafe .bin files refused; diffusers' legacy VAE attention key names. Against transformers'
+and unsafe .bin files refused; diffusers' legacy VAE attention key names; transformers'
+``key_mapping``. Against transformers'
 and diffusers' own ``from_pretrained`` of the same directory, on every runner."""
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import pickle
 import dtorch_hf
 import pytest
 import torch
-from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+from diffusers import AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel
 from diffusers.utils import logging as diffusers_logging
 from hf_testing import rel_err, tiny_config
+from safetensors.torch import load_file, save_file
 from test_flux import CONFIG as FLUX_CONFIG
 from test_flux import _inputs as flux_inputs
 from test_pretrained import _assert_same_weights, sent_bytes
@@ -178,3 +180,83 @@ def test_bad_bin_files_name_the_file(session, tmp_path, t5_bin):
     torch.save(state, os.path.join(path, "pytorch_model.bin"))
     with pytest.raises(CheckpointMismatchError, match="encoder.final_layer_norm.weight"):
         dtorch_hf.from_pretrained(path, mesh=mesh)
+
+
+# diffusers' legacy VAE attention names: a tiny VAE (mid-block attention with biases), its file's
+# keys renamed to what old diffusers wrote
+VAE_CONFIG = {"in_channels": 3, "out_channels": 3, "block_out_channels": (8, 16), "layers_per_block": 1,
+              "down_block_types": ("DownEncoderBlock2D",) * 2, "up_block_types": ("UpDecoderBlock2D",) * 2,
+              "norm_num_groups": 4, "sample_size": 16, "latent_channels": 4}
+LEGACY = {"to_q": "query", "to_k": "key", "to_v": "value", "to_out.0": "proj_attn"}
+
+
+def _legacy_name(key: str) -> str:
+    for new, old in LEGACY.items():
+        if f".attentions.0.{new}." in key:
+            return key.replace(f".{new}.", f".{old}.")
+    return key
+
+
+@pytest.fixture(scope="module")
+def legacy_vae(tmp_path_factory):
+    diffusers_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    out = {}
+    for fmt in ("safetensors", "bin"):
+        path = tmp_path_factory.mktemp(f"vae-legacy-{fmt}")
+        AutoencoderKL(**VAE_CONFIG).save_pretrained(path, safe_serialization=fmt == "safetensors")
+        file = os.path.join(path, f"diffusion_pytorch_model.{fmt}")
+        state = load_file(file) if fmt == "safetensors" else torch.load(file, weights_only=True)
+        legacy = {_legacy_name(k): v for k, v in state.items()}
+        renamed = sorted(set(legacy) - set(state))
+        # encoder and decoder mid blocks: query/key/value/proj_attn, weight and bias each
+        assert len(renamed) == 16 and all(".attentions.0." in k for k in renamed), renamed
+        if fmt == "safetensors":
+            save_file(legacy, file)
+        else:
+            torch.save(legacy, file)
+        out[fmt] = str(path)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+@pytest.mark.parametrize("mesh_name", ["tp2xsp2", "dp4"])
+def test_legacy_vae_attention_names(session, legacy_vae, fmt, mesh_name):
+    path = legacy_vae[fmt]
+    mesh = (_mesh(mesh_name) if mesh_name in MESHES
+            else dt.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
+    model = dtorch_hf.from_pretrained(path, mesh=mesh)
+    ref = AutoencoderKL.from_pretrained(path).eval()        # diffusers renames the legacy keys itself
+    assert ref.encoder.mid_block.attentions[0].to_q.weight.abs().sum() > 0
+    _assert_same_weights(model, ref)
+    x = torch.randn(3, 3, 12, 10, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert rel_err(model(x).sample, ref(x).sample) <= 1e-4
+    with pytest.raises(dtorch_hf.NotAPretrainedModelError, match="AutoencoderKL is a diffusers model"):
+        dtorch_hf.from_pretrained(path, mesh=mesh, key_mapping={"query": "to_q"})
+
+
+def test_key_mapping(session, tmp_path):
+    # transformers' key_mapping: a checkpoint whose keys another library's names, mapped back by regexes
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(tiny_config("uneven")).save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    state = load_file(file)
+    renamed = {k.replace(".SelfAttention.", ".self_attn.").replace("encoder.", "enc."): v for k, v in state.items()}
+    assert len(set(renamed) - set(state)) > 10
+    save_file(renamed, file)
+    mapping = {r"^enc\.": "encoder.", r"\.self_attn\.": ".SelfAttention."}
+    with pytest.raises(CheckpointMismatchError, match="SelfAttention"):
+        dtorch_hf.from_pretrained(tmp_path, mesh=_mesh("tp4"))             # without it: missing weights
+    model = dtorch_hf.from_pretrained(tmp_path, mesh=_mesh("tp2xsp2"), key_mapping=mapping)
+    ref = T5ForConditionalGeneration.from_pretrained(tmp_path, key_mapping=mapping).eval()
+    assert rel_err(ref.encoder.block[0].layer[0].SelfAttention.q.weight, state["encoder.block.0.layer.0.SelfAttention.q.weight"]) == 0
+    _assert_same_weights(model, ref)
+    ids = torch.randint(2, 64, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(input_ids=ids, decoder_input_ids=ids[:, :3]).logits
+        want = ref(input_ids=ids, decoder_input_ids=ids[:, :3]).logits
+    assert rel_err(got, want) <= 1e-4
+    # two keys mapped onto one name: refused
+    with pytest.raises(dtorch_hf.NotAPretrainedModelError, match="both renamed to"):
+        dtorch_hf.from_pretrained(tmp_path, mesh=_mesh("tp4"), key_mapping={r"\.q\.": ".k."})
