@@ -11,6 +11,8 @@ ours >= 1.3x SDPA's throughput at the Flux and SD3 shapes.
     python plugins/dtorch_sage_attn/bench/attention.py                 # the table
     python plugins/dtorch_sage_attn/bench/attention.py --json out.json
     python plugins/dtorch_sage_attn/bench/attention.py --sweep         # our launch configs
+    python plugins/dtorch_sage_attn/bench/attention.py --sweep --apply # then the table with
+                                                                       # the chosen ones
     python plugins/dtorch_sage_attn/bench/attention.py --graph         # CUDA-graph replays
 
 ``auto`` is dtorch_sage_attn.selector's choice (imported lazily; the column is left out, with
@@ -42,11 +44,6 @@ SHAPES = {
     "prefill_causal_gqa": (1, 32, 8, 16384, 128, True, "bhsd"),
     "short": (1, 16, 16, 1024, 64, False, "bhsd"),
 }
-
-# (BLOCK_M, BLOCK_N, num_warps, num_stages, fused_acc)
-SWEEP_CONFIGS = [(64, 128, 4, 3, 0), (64, 128, 4, 3, 1), (128, 128, 8, 3, 0), (128, 128, 8, 3, 1),
-                 (64, 64, 4, 3, 0), (128, 64, 8, 3, 0), (64, 128, 4, 4, 0), (128, 128, 8, 4, 1)]
-
 
 def make_inputs(shape, kind, dtype=torch.bfloat16, seed=0):
     batch, hq, hkv, seq, dim, _, layout = shape
@@ -201,46 +198,17 @@ def print_table(rows, found):
     return verdicts
 
 
-def sweep(names):
-    from dtorch_sage_attn.triton_sage import LaunchConfig, _sage_attention
-
-    results = []
-    for name in names:
-        shape = SHAPES[name]
-        q, k, v = make_inputs(shape, "offsets")
-        ref = sdpa(q.float(), k.float(), v.float(), shape[5])
-        base = time_ms(lambda q=q, k=k, v=v, causal=shape[5]: sdpa(q, k, v, causal))
-        print(f"{name}: sdpa {base:.3f} ms", flush=True)
-        for cfg in SWEEP_CONFIGS:
-            config = LaunchConfig(*cfg)
-
-            def run(q=q, k=k, v=v, causal=shape[5], config=config):
-                return _sage_attention(q, k, v, causal, None, False, config)
-            try:
-                err = errors(run(), ref)
-                ms = time_ms(run)
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile is skipped
-                print(f"  {cfg}: failed ({type(exc).__name__}: {str(exc)[:120]})", flush=True)
-                continue
-            print(f"  {cfg}: {ms:.3f} ms  {base / ms:.2f}x sdpa  cos {err['cosine']:.6f} "
-                  f"relL1 {err['rel_l1']:.4f}", flush=True)
-            results.append({"shape": name, "config": cfg, "ms": ms, "sdpa_ms": base, **err})
-    print("fastest config at the gate, for triton_sage._CONFIGS:")
-    for name in names:
-        passing = [r for r in results if r["shape"] == name and r["finite"]
-                   and r["cosine"] >= GATE_COSINE and r["rel_l1"] <= GATE_REL_L1]
-        if passing:
-            best = min(passing, key=lambda r: r["ms"])
-            dim, causal = SHAPES[name][4], SHAPES[name][5]
-            print(f"    ({dim}, {causal}): LaunchConfig{tuple(best['config'])},  # {name}: "
-                  f"{best['ms']:.3f} ms, {best['sdpa_ms'] / best['ms']:.2f}x SDPA")
-    return results
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--sweep", action="store_true", help="time our launch configs instead")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time our launch configs and numeric variants (bench/sweep.py)")
+    parser.add_argument("--apply", action="store_true",
+                        help="with --sweep: then run the table with the chosen configs")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="with --sweep: processes that compile the configs first")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="with --sweep: seconds after which no further config is timed")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset")
     parser.add_argument("--graph", action="store_true",
                         help="time CUDA-graph replays instead of eager calls")
@@ -251,18 +219,29 @@ def main():
     names = args.shapes.split(",")
     device = torch.cuda.get_device_name()
     print(f"{device}, torch {torch.__version__}", flush=True)
+    result = {"device": device, "torch": torch.__version__, "graph": args.graph}
     if args.sweep:
-        result = {"device": device, "graph": args.graph, "sweep": sweep(names)}
-    else:
+        import sweep
+
+        workers = sweep.default_workers() if args.workers is None else args.workers
+        rows = sweep.sweep(names, workers=workers, deadline_s=args.deadline,
+                           json_path=args.json and args.json + ".partial")
+        chosen = sweep.choose(rows, names)
+        result.update(sweep=rows, chosen={f"{d},{c}": list(cfg) for (d, c), (cfg, _, _)
+                                          in chosen.items()})
+        if args.apply:
+            sweep.apply(chosen)
+    if not args.sweep or args.apply:
+        if args.apply:
+            names = list(SHAPES)  # the whole table with the chosen configs
         found = kernels()
         rows = []
         for name in names:
             rows.append(measure_shape(name, SHAPES[name], found))
             print(f"measured {name}", flush=True)
         verdicts = print_table(rows, found)
-        result = {"device": device, "torch": torch.__version__, "graph": args.graph, "rows": rows,
-                  "target": {"ratio": TARGET, "met": verdicts},
-                  "missing": {k: why for k, (fn, why) in found.items() if fn is None}}
+        result.update(rows=rows, target={"ratio": TARGET, "met": verdicts},
+                      missing={k: why for k, (fn, why) in found.items() if fn is None})
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

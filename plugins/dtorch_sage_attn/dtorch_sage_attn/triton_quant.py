@@ -2,14 +2,16 @@
 
 Two Triton launches, both memory bound:
 
-1. ``_kv_stats_kernel``: one pass over K and V per (batch, kv head, sequence split): partial
+1. ``_kv_stats_kernel``: one pass over K (and V) per (batch, kv head, sequence split): partial
    column sums of K and V and V's column max/min, written to a scratch buffer (no atomics, so no
    zero-filled buffer and a deterministic result).
 2. ``_kv_quant_kernel``: per block of keys (the attention kernel's BLOCK_N, so that one scale
    covers each (Q block, K block) product): reduces the partials to K's mean, V's
    mean and V's per-channel scale, subtracts K's mean (softmax is invariant to it), quantises the
-   block to INT8 with one scale (amax / 127), and writes V - mean(V), scaled per channel to fill
-   e4m3's range, as FP8 into a (D, Sk_pad) layout: Hopper's FP8 MMA wants its B operand K-major.
+   block to INT8 with one scale (amax / 127; or one per key, ``k_token``), and writes
+   V - mean(V), scaled per channel to fill e4m3's range, as FP8 into a (D, Sk_pad) layout:
+   Hopper's FP8 MMA wants its B operand K-major. Without ``quant_v`` (16-bit P.V) V is not read:
+   the attention kernel takes it as it is.
 
 Q is quantised inside the attention kernel (each program reads its Q block once).
 Buffers come from torch's caching allocator and their sizes depend on shapes only, so the whole
@@ -44,7 +46,7 @@ def round_to_e4m3(x):
 def _kv_stats_kernel(K, V, Partial, Sk, rows_per_split,
                      stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                      HKV, NSPLIT, D: tl.constexpr,
-                     ROWS: tl.constexpr):
+                     ROWS: tl.constexpr, QUANT_V: tl.constexpr):
     split = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -60,12 +62,13 @@ def _kv_stats_kernel(K, V, Partial, Sk, rows_per_split,
         rows = start + tl.arange(0, ROWS)
         valid = (rows < Sk)[:, None]
         k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :], mask=valid, other=0.0)
-        v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=valid, other=0.0)
         k_sum += tl.sum(k.to(tl.float32), axis=0)
-        v = v.to(tl.float32)
-        v_sum += tl.sum(v, axis=0)
-        v_max = tl.maximum(v_max, tl.max(tl.where(valid, v, float("-inf")), axis=0))
-        v_min = tl.minimum(v_min, tl.min(tl.where(valid, v, float("inf")), axis=0))
+        if QUANT_V:
+            v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :], mask=valid,
+                        other=0.0).to(tl.float32)
+            v_sum += tl.sum(v, axis=0)
+            v_max = tl.maximum(v_max, tl.max(tl.where(valid, v, float("-inf")), axis=0))
+            v_min = tl.minimum(v_min, tl.min(tl.where(valid, v, float("inf")), axis=0))
     out = Partial + ((batch * HKV + head) * NSPLIT + split).to(tl.int64) * (4 * D) + offs_d
     tl.store(out, k_sum)
     tl.store(out + D, v_sum)
@@ -77,7 +80,8 @@ def _kv_stats_kernel(K, V, Partial, Sk, rows_per_split,
 def _kv_quant_kernel(K, V, Partial, KInt8, KScale, VtFp8, HeadStats, Sk, Sk_pad,
                      stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                      HKV, NSPLIT, D: tl.constexpr,
-                     BLOCK: tl.constexpr, SMOOTH_V: tl.constexpr):
+                     BLOCK: tl.constexpr, SMOOTH_V: tl.constexpr, QUANT_V: tl.constexpr,
+                     K_TOKEN: tl.constexpr):
     blk = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -95,12 +99,15 @@ def _kv_quant_kernel(K, V, Partial, KInt8, KScale, VtFp8, HeadStats, Sk, Sk_pad,
         v_max = tl.maximum(v_max, tl.load(part + s * 4 * D + 2 * D))
         v_min = tl.minimum(v_min, tl.load(part + s * 4 * D + 3 * D))
     k_mean = k_sum / Sk
-    if SMOOTH_V:
+    if SMOOTH_V and QUANT_V:
         v_mean = v_sum / Sk
     else:
         v_mean = tl.zeros([D], dtype=tl.float32)
-    v_range = tl.maximum(tl.maximum(v_max - v_mean, v_mean - v_min), 1e-20)
-    v_scale = v_range / FP8_MAX  # V - mean = v_fp8 * v_scale
+    if QUANT_V:
+        v_range = tl.maximum(tl.maximum(v_max - v_mean, v_mean - v_min), 1e-20)
+        v_scale = v_range / FP8_MAX  # V - mean = v_fp8 * v_scale
+    else:  # V is used as it is
+        v_scale = tl.full([D], 1.0, dtype=tl.float32)
     if blk == 0:
         stats = HeadStats + bh.to(tl.int64) * (3 * D) + offs_d
         tl.store(stats, k_mean)
@@ -112,19 +119,25 @@ def _kv_quant_kernel(K, V, Partial, KInt8, KScale, VtFp8, HeadStats, Sk, Sk_pad,
     k = tl.load(K + batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh
                 + rows[:, None] * stride_kn + offs_d[None, :], mask=valid, other=0.0)
     k = tl.where(valid, k.to(tl.float32) - k_mean[None, :], 0.0)
-    k_step = tl.maximum(tl.max(tl.abs(k)), 1e-20) / 127.0
-    k_q = k / k_step
+    if K_TOKEN:  # one scale per key
+        k_step = tl.maximum(tl.max(tl.abs(k), 1), 1e-20) / 127.0
+        k_q = k / k_step[:, None]
+        tl.store(KScale + bh.to(tl.int64) * Sk_pad + rows, k_step)
+    else:
+        k_step = tl.maximum(tl.max(tl.abs(k)), 1e-20) / 127.0
+        k_q = k / k_step
+        tl.store(KScale + bh.to(tl.int64) * (Sk_pad // BLOCK) + blk, k_step)
     k_q = k_q + tl.where(k_q >= 0, 0.5, -0.5)  # round half away from zero; the cast truncates
     tl.store(KInt8 + bh.to(tl.int64) * Sk_pad * D + rows[:, None] * D + offs_d[None, :],
              k_q.to(tl.int8))
-    tl.store(KScale + bh.to(tl.int64) * (Sk_pad // BLOCK) + blk, k_step)
 
-    v = tl.load(V + batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
-                + rows[:, None] * stride_vn + offs_d[None, :], mask=valid, other=0.0)
-    v = tl.where(valid, (v.to(tl.float32) - v_mean[None, :]) / v_scale[None, :], 0.0)
-    v = tl.minimum(tl.maximum(round_to_e4m3(v), -FP8_MAX), FP8_MAX)
-    tl.store(VtFp8 + bh.to(tl.int64) * D * Sk_pad + offs_d[None, :] * Sk_pad + rows[:, None],
-             v.to(VtFp8.dtype.element_ty))
+    if QUANT_V:
+        v = tl.load(V + batch.to(tl.int64) * stride_vb + head.to(tl.int64) * stride_vh
+                    + rows[:, None] * stride_vn + offs_d[None, :], mask=valid, other=0.0)
+        v = tl.where(valid, (v.to(tl.float32) - v_mean[None, :]) / v_scale[None, :], 0.0)
+        v = tl.minimum(tl.maximum(round_to_e4m3(v), -FP8_MAX), FP8_MAX)
+        tl.store(VtFp8 + bh.to(tl.int64) * D * Sk_pad + offs_d[None, :] * Sk_pad + rows[:, None],
+                 v.to(VtFp8.dtype.element_ty))
 
 
 def _stats_splits(batch_heads: int, sk: int) -> int:
@@ -133,12 +146,14 @@ def _stats_splits(batch_heads: int, sk: int) -> int:
     return max(1, min(want, triton.cdiv(sk, 4 * _STATS_ROWS)))
 
 
-def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, block: int, smooth_v: bool = True):
+def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, block: int, smooth_v: bool = True,
+                quant_v: bool = True, k_token: bool = False):
     """K (B, H, Sk, D) and V (same shape), any strides with the last one 1.
 
-    Returns ``(k_int8 (B, H, Sk_pad, D), k_scale (B, H, Sk_pad // block) fp32,
-    vt_fp8 (B, H, D, Sk_pad) float8_e4m3fn, head_stats (B, H, 3, D) fp32)``; head_stats holds K's
-    mean, V's mean (zero when not smooth_v) and V's per-channel scale. Rows past Sk are zero.
+    Returns ``(k_int8 (B, H, Sk_pad, D), k_scale (B, H, Sk_pad // block) fp32 (with k_token
+    (B, H, Sk_pad): one per key), vt_fp8 (B, H, D, Sk_pad) float8_e4m3fn (None without quant_v),
+    head_stats (B, H, 3, D) fp32)``; head_stats holds K's mean, V's mean (zero when not smooth_v
+    or not quant_v) and V's per-channel scale (one without quant_v). Rows past Sk are zero.
     """
     batch, heads, sk, dim = k.shape
     sk_pad = triton.cdiv(sk, SEQ_PAD) * SEQ_PAD
@@ -148,15 +163,17 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, block: int, smooth_v: bool 
     dev = k.device
     partial = torch.empty((batch, heads, nsplit, 4, dim), device=dev, dtype=torch.float32)
     k_int8 = torch.empty((batch, heads, sk_pad, dim), device=dev, dtype=torch.int8)
-    k_scale = torch.empty((batch, heads, sk_pad // block), device=dev,
+    k_scale = torch.empty((batch, heads, sk_pad if k_token else sk_pad // block), device=dev,
                           dtype=torch.float32)
-    vt_fp8 = torch.empty((batch, heads, dim, sk_pad), device=dev, dtype=torch.float8_e4m3fn)
+    vt_fp8 = (torch.empty((batch, heads, dim, sk_pad), device=dev, dtype=torch.float8_e4m3fn)
+              if quant_v else k_int8)  # without quant_v nothing is written there
     head_stats = torch.empty((batch, heads, 3, dim), device=dev, dtype=torch.float32)
     strides = (k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2))
     _kv_stats_kernel[(nsplit, heads, batch)](
         k, v, partial, sk, rows_per_split, *strides,
-        HKV=heads, NSPLIT=nsplit, D=dim, ROWS=_STATS_ROWS, num_warps=4)
+        HKV=heads, NSPLIT=nsplit, D=dim, ROWS=_STATS_ROWS, QUANT_V=quant_v, num_warps=4)
     _kv_quant_kernel[(sk_pad // block, heads, batch)](
         k, v, partial, k_int8, k_scale, vt_fp8, head_stats, sk, sk_pad, *strides,
-        HKV=heads, NSPLIT=nsplit, D=dim, BLOCK=block, SMOOTH_V=smooth_v, num_warps=4)
-    return k_int8, k_scale, vt_fp8, head_stats
+        HKV=heads, NSPLIT=nsplit, D=dim, BLOCK=block, SMOOTH_V=smooth_v, QUANT_V=quant_v,
+        K_TOKEN=k_token, num_warps=4)
+    return k_int8, k_scale, (vt_fp8 if quant_v else None), head_stats
