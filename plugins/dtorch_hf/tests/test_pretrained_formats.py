@@ -23,7 +23,7 @@ from test_flux import _inputs as flux_inputs
 from test_pretrained import _assert_same_weights, sent_bytes
 from test_sd3 import CONFIG as SD3_CONFIG
 from test_sd3 import _inputs as sd3_inputs
-from transformers import T5ForConditionalGeneration
+from transformers import T5EncoderModel, T5ForConditionalGeneration
 
 import dtorch_core as dt
 from dtorch_core.errors import CheckpointMismatchError
@@ -260,3 +260,12 @@ def test_key_mapping(session, tmp_path):
     # two keys mapped onto one name: refused
     with pytest.raises(dtorch_hf.NotAPretrainedModelError, match="both renamed to"):
         dtorch_hf.from_pretrained(tmp_path, mesh=_mesh("tp4"), key_mapping={r"\.q\.": ".k."})
+
+
+def test_sharded_variant(session, tmp_path):
+    # a sharded variant's index is named as transformers names it: model.safetensors.index.fp16.json
+    torch.manual_seed(0)
+    T5EncoderModel(tiny_config("even")).save_pretrained(tmp_path, variant="fp16", max_shard_size="20KB")
+    assert os.path.isfile(tmp_path / "model.safetensors.index.fp16.json")
+    model = dtorch_hf.from_pretrained(tmp_path, mesh=_mesh("tp2xsp2"), variant="fp16")
+    _assert_same_weights(model, T5EncoderModel.from_pretrained(tmp_path, variant="fp16").eval())
