@@ -26,7 +26,7 @@ from test_sd3 import _inputs as sd3_inputs
 from transformers import T5EncoderModel, T5ForConditionalGeneration
 
 import dtorch_core as dt
-from dtorch_core.errors import CheckpointMismatchError
+from dtorch_core.errors import CheckpointIOError, CheckpointMismatchError
 
 MESHES = {"tp4": ((4,), ("tp",)), "tp2xsp2": ((2, 2), ("tp", "sp"))}
 
@@ -269,3 +269,18 @@ def test_sharded_variant(session, tmp_path):
     assert os.path.isfile(tmp_path / "model.safetensors.index.fp16.json")
     model = dtorch_hf.from_pretrained(tmp_path, mesh=_mesh("tp2xsp2"), variant="fp16")
     _assert_same_weights(model, T5EncoderModel.from_pretrained(tmp_path, variant="fp16").eval())
+
+
+def test_bin_unreadable_on_the_workers_names_the_file(session, tmp_path, t5_bin, monkeypatch):
+    # a shard that the controller's header read saw whole but that is corrupt when the workers
+    # read it (replaced in between): the workers' error names the file and the rank
+    for f in os.listdir(t5_bin["sharded"]):
+        (tmp_path / f).write_bytes(open(os.path.join(t5_bin["sharded"], f), "rb").read())  # noqa: SIM115
+    shard = "pytorch_model-00003-of-00003.bin"
+    real_header = dtorch_hf.loading.header
+    shapes = {f: real_header(str(tmp_path), f) for f in os.listdir(tmp_path) if f.endswith(".bin")}
+    (tmp_path / shard).write_bytes(b"garbage")
+    monkeypatch.setattr(dtorch_hf.loading, "header", lambda directory, file: shapes[file])
+    with pytest.raises(CheckpointIOError, match=f"failed on rank .*{shard}") as err:
+        dtorch_hf.from_pretrained(tmp_path, mesh=_mesh("tp4"))
+    assert err.value.file == str(tmp_path / shard)
