@@ -1,10 +1,20 @@
-"""torch.optim steps that replay under ``dt.compile``, with no change to the user's code.
+"""torch.optim steps on DTensors: fused in eager, and replayed under ``dt.compile``, with no
+change to the user's code.
 
-A non-capturable ``torch.optim.Adam`` keeps its step count in a CPU tensor and computes the bias
-corrections on the controller as Python numbers, and an ``lr_scheduler`` writes a new float
-``group["lr"]`` each epoch: a captured step would freeze both. Two global optimizer step hooks
-(installed once at import, see :func:`install`) act while a capture records the step of an
-optimizer whose parameters are DTensors:
+**Eager**: a group of ``Adam``, ``AdamW`` or ``SGD`` whose user asked for ``fused=True`` or left
+the choice to torch (``foreach`` and ``fused`` both None, the defaults) steps with torch's fused
+kernel, as below: one worker call per group, step counts and an lr mirror on the workers. The
+for-loop and foreach paths compute bias corrections on the controller as Python numbers, new at
+every step, and a plan is keyed by its numbers: each step would define new worker plans (about
+1 ms each) that are kept for the session. An explicit ``foreach=True`` is kept as asked (and
+pays that). torch's own fused path needs no change either, except that its first step's state
+is made here with a DTensor step count (torch would make a plain tensor on the handle's device).
+
+**Captured**: a non-capturable ``torch.optim.Adam`` keeps its step count in a CPU tensor and
+computes the bias corrections on the controller as Python numbers, and an ``lr_scheduler`` writes
+a new float ``group["lr"]`` each epoch: a captured step would freeze both. Two global optimizer
+step hooks (installed once at import, see :func:`install`) act while a capture records the step
+of an optimizer whose parameters are DTensors:
 
 - groups of ``Adam``, ``AdamW`` and ``SGD`` whose params are floating DTensors of one mesh (on a
   device type torch has fused kernels for) switch to ``fused=True`` (and ``foreach=False``) for
@@ -129,12 +139,34 @@ def _place_like(p: DTensor, state: dict) -> None:
                 state[key] = t.redistribute(p.device_mesh, target)
 
 
-def _convert(opt, tracked: _Tracked) -> None:
+def _init_adam_state(opt, group, p) -> None:
+    """The state torch's ``Adam._init_group`` gives a fused group's param at its first step, with
+    the step count a float32 DTensor (torch's would be a plain tensor on the handle's device)."""
+    mesh = p.device_mesh
+    state = opt.state[p]
+    state["step"] = distribute_tensor(torch.zeros((), dtype=torch.float32), mesh, [Replicate()] * mesh.ndim)
+    with torch.no_grad():
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if group.get("amsgrad"):
+            state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _eager_fusable(group) -> bool:
+    """Outside a capture a group steps fused where its user asked for that or left torch to pick
+    (foreach and fused both None); an explicit ``foreach`` is kept."""
+    return bool(group.get("fused")) or (group.get("foreach") is None and group.get("fused") is None)
+
+
+def _convert(opt, tracked: _Tracked, capturing: bool) -> None:
     """Switch groups to fused (else capturable) steps with device step counts and give them lr
-    mirrors (not recorded)."""
+    mirrors (not recorded). Outside a capture only to fused steps (see :func:`_eager_fusable`)."""
+    adam = isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
     for i, group in enumerate(opt.param_groups):
         params = group["params"]
         if not params or not all(type(p) is DTensor for p in params):
+            continue
+        if not capturing and i not in tracked.fused and not _eager_fusable(group):
             continue
         mesh = params[0].device_mesh
         if i in tracked.fused or _can_fuse(opt, group, params, mesh):
@@ -142,7 +174,7 @@ def _convert(opt, tracked: _Tracked) -> None:
             # foreach first
             group["fused"], group["foreach"] = True, False
             tracked.fused.add(i)
-        elif "capturable" in group:
+        elif capturing and "capturable" in group:
             group["capturable"] = True
             tracked.capturable.add(i)
         else:
@@ -150,6 +182,9 @@ def _convert(opt, tracked: _Tracked) -> None:
         fused = i in tracked.fused
         for p in params:
             state = opt.state.get(p)
+            if fused and adam and not state and p.grad is not None:
+                _init_adam_state(opt, group, p)  # the first step: torch would make a plain step count
+                continue
             step = state.get("step") if state else None
             if isinstance(step, torch.Tensor) and type(step) is not DTensor:
                 step = step.detach().to(torch.float32) if fused else step.detach()  # fused steps are float32
@@ -197,19 +232,22 @@ def _pre_hook(opt, args, kwargs) -> None:
     tracked = _tracked.get(opt)
     if tracked is None:
         session = _dtensor_session(opt)
-        if session is None or not _capturing(session):
+        if session is None:
             return
         tracked = _tracked[opt] = _Tracked(weakref.ref(opt), session)
     session = tracked.session
-    if _capturing(session):
-        with session.unrecorded():
-            _convert(opt, tracked)
-            tracked.refresh()
-        groups = opt.param_groups
-        for i, mirror in tracked.mirrors.items():
-            if type(groups[i]["lr"]) is float:
-                tracked.floats[i] = groups[i]["lr"]
-                groups[i]["lr"] = mirror.tensor
+    if session.closed:
+        return  # torch's own step raises, naming the ended session
+    capturing = _capturing(session)
+    with session.unrecorded() if capturing else contextlib.nullcontext():
+        _convert(opt, tracked, capturing)
+        tracked.refresh()
+    groups = opt.param_groups
+    for i, mirror in tracked.mirrors.items():
+        if type(groups[i]["lr"]) is float:
+            tracked.floats[i] = groups[i]["lr"]
+            groups[i]["lr"] = mirror.tensor
+    if capturing:
         for watcher in _watchers:
             watcher.append((tracked, tracked.settings()))
     if tracked.capturable:
