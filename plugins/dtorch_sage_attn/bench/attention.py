@@ -198,6 +198,19 @@ def print_table(rows, found):
     return verdicts
 
 
+def auto_decisions(found):
+    """The selector's own measurements behind the auto column (its times can differ from the
+    table's: it times a few rounds of single calls, launch gaps included)."""
+    fn = found.get("auto", (None, ""))[0]
+    if fn is None:
+        return {}
+    out = {key: decision.to_json() for (_, key), decision in fn.selector.decisions.items()}
+    for key, d in out.items():
+        print(f"auto {key}: {d['choice']} ({d['reason']}); times ms "
+              f"{ {k: round(v, 4) for k, v in d['times_ms'].items()} }")
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write the results here")
@@ -209,6 +222,9 @@ def main():
                         help="with --sweep: processes that compile the configs first")
     parser.add_argument("--deadline", type=float, default=None,
                         help="with --sweep: seconds after which no further config is timed")
+    parser.add_argument("--configs", default=None,
+                        help="with --sweep: 'a,b,c,d,e,f,g,h;...' LaunchConfig tuples instead of "
+                             "sweep.SWEEP_CONFIGS")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset")
     parser.add_argument("--graph", action="store_true",
                         help="time CUDA-graph replays instead of eager calls")
@@ -224,7 +240,9 @@ def main():
         import sweep
 
         workers = sweep.default_workers() if args.workers is None else args.workers
-        rows = sweep.sweep(names, workers=workers, deadline_s=args.deadline,
+        configs = args.configs and [tuple(int(x) for x in c.split(","))
+                                    for c in args.configs.split(";")]
+        rows = sweep.sweep(names, configs=configs, workers=workers, deadline_s=args.deadline,
                            json_path=args.json and args.json + ".partial")
         chosen = sweep.choose(rows, names)
         result.update(sweep=rows, chosen={f"{d},{c}": list(cfg) for (d, c), (cfg, _, _)
@@ -241,7 +259,8 @@ def main():
             print(f"measured {name}", flush=True)
         verdicts = print_table(rows, found)
         result.update(rows=rows, target={"ratio": TARGET, "met": verdicts},
-                      missing={k: why for k, (fn, why) in found.items() if fn is None})
+                      missing={k: why for k, (fn, why) in found.items() if fn is None},
+                      auto=auto_decisions(found))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -51,17 +51,21 @@ class LaunchConfig(NamedTuple):
     max_regs: int = 0  # >0: register cap per thread (ptxas maxnreg): more CTAs an SM
 
 
-# (head_dim, causal) -> launch config: 64 query rows, 128 keys a step, one warpgroup (4 warps),
-# 3 TMA stages. Two such CTAs fit an SM (254 registers at D=128, 205 at D=64; about 106 / 53 KB
-# of shared memory) and run unsynchronised, so one's softmax overlaps the other's MMAs; a
-# 128-row CTA of 8 warps puts both warpgroups behind the same barriers every step (sm_90 SASS).
-# On one H200 this tile was the fastest of the sweep for the pointer-load version of the kernel
-# (Flux 0.72x, SD3 0.76x SDPA); the TMA version is not yet timed (bench/attention.py --sweep).
+# (head_dim, causal) -> launch config: 64 query rows, 128 keys a step, one warpgroup (4 warps)
+# a CTA, FP8 P.V. Measured on one H200 (bench/attention.py --sweep, 16 configs x 4 shapes,
+# 2026-12-02, bench/results/2026-12-02-h200/): at D=128 two TMA stages with registers capped at
+# 168 (ptxas then spills some accumulator registers, inside the loop too) fit three CTAs an SM
+# and beat the uncapped two: Flux 0.466 ms (0.86x SDPA's 0.400 in that run) against 0.493 for
+# (64, 128, 4, 3); the causal GQA prefill 3.166 ms (1.23x) against 3.254. At D=64 (SD3) the
+# configs tie within noise: fused accumulation, 3 stages, 0.596 ms (0.98x) against 0.600. No
+# D=64 causal shape was timed: it keeps the old default. The 16-bit P.V variant (pv16, k_token),
+# the only one that passes the gate on i.i.d. randn (relative L1 0.9% against FP8's 3.9%), ran
+# 25-35% slower at D=128 and 14% at D=64, so it is not the default.
 _CONFIGS = {
-    (64, False): LaunchConfig(64, 128, 4, 3),
+    (64, False): LaunchConfig(64, 128, 4, 3, 1),
     (64, True): LaunchConfig(64, 128, 4, 3),
-    (128, False): LaunchConfig(64, 128, 4, 3),
-    (128, True): LaunchConfig(64, 128, 4, 3),
+    (128, False): LaunchConfig(64, 128, 4, 2, max_regs=168),
+    (128, True): LaunchConfig(64, 128, 4, 2, max_regs=168),
 }
 
 

@@ -243,7 +243,8 @@ def test_compiles_for_hopper_with_tensor_cores_tma_and_no_spills(tmp_path, dim, 
     """The default configs (and the FP8 and 16-bit P.V variants) as sm_90 machine code: INT8
     wgmma for QK^T (IGMMA), FP8 (QGMMA) or 16-bit (HGMMA) for P.V, TMA loads, no register
     spills (the pointer-load version of this kernel spilled and ran at 0.7x SDPA). At D=128 the
-    log-sum-exp variants do spill a little, outside the inner loops (not asserted here)."""
+    log-sum-exp variants do spill a little, outside the inner loops (not asserted here); the
+    D=128 defaults cap registers at 168 (max_regs) and spill by design: measured faster."""
     import triton
 
     sys.path.insert(0, PLUGIN_ROOT)
@@ -263,10 +264,13 @@ def test_compiles_for_hopper_with_tensor_cores_tma_and_no_spills(tmp_path, dim, 
                               text=True, timeout=120).stdout
 
     usage, sass = dump("--dump-resource-usage"), dump("--dump-sass")
-    assert "STACK:0 " in usage, usage
     for instruction in ("IGMMA", "HGMMA" if config.pv16 else "QGMMA", "UTMALDG", "MUFU.EX2"):
         assert instruction in sass, instruction
-    assert "STL" not in sass and "LDL" not in sass
+    if config.max_regs:  # the cap holds (three CTAs an SM at D=128); ptxas spills to get there
+        assert int(usage.split("REG:")[1].split()[0]) <= config.max_regs, usage
+    else:
+        assert "STACK:0 " in usage, usage
+        assert "STL" not in sass and "LDL" not in sass
 
 
 def test_unsupported_reasons():
