@@ -228,6 +228,8 @@ def main():
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset")
     parser.add_argument("--graph", action="store_true",
                         help="time CUDA-graph replays instead of eager calls")
+    parser.add_argument("--kernels", default=None,
+                        help="comma-separated subset of sdpa,sage106,ours,auto (sdpa always)")
     args = parser.parse_args()
     GRAPH["on"] = args.graph
     if not torch.cuda.is_available():
@@ -253,6 +255,9 @@ def main():
         if args.apply:
             names = list(SHAPES)  # the whole table with the chosen configs
         found = kernels()
+        if args.kernels:
+            keep = set(args.kernels.split(",")) | {"sdpa"}
+            found = {k: v for k, v in found.items() if k in keep}
         rows = []
         for name in names:
             rows.append(measure_shape(name, SHAPES[name], found))
