@@ -52,15 +52,16 @@ class LaunchConfig(NamedTuple):
 
 
 # (head_dim, causal) -> launch config: 64 query rows, 128 keys a step, one warpgroup (4 warps)
-# a CTA, FP8 P.V. Measured on one H200 (bench/attention.py --sweep, 16 configs x 4 shapes,
-# 2026-12-02, bench/results/2026-12-02-h200/): at D=128 two TMA stages with registers capped at
-# 168 (ptxas then spills some accumulator registers, inside the loop too) fit three CTAs an SM
-# and beat the uncapped two: Flux 0.466 ms (0.86x SDPA's 0.400 in that run) against 0.493 for
-# (64, 128, 4, 3); the causal GQA prefill 3.166 ms (1.23x) against 3.254. At D=64 (SD3) the
-# configs tie within noise: fused accumulation, 3 stages, 0.596 ms (0.98x) against 0.600. No
-# D=64 causal shape was timed: it keeps the old default. The 16-bit P.V variant (pv16, k_token),
-# the only one that passes the gate on i.i.d. randn (relative L1 0.9% against FP8's 3.9%), ran
-# 25-35% slower at D=128 and 14% at D=64, so it is not the default.
+# a CTA, FP8 P.V. Measured on one H200 (bench/attention.py --sweep, 2026-12-02, two runs:
+# bench/results/2026-12-02-h200/): at D=128 two TMA stages with registers capped at 168 (ptxas
+# then spills some accumulator registers, inside the loop too) fit three CTAs an SM and beat the
+# uncapped two: Flux 0.466 / 0.464 ms (0.86x the sweep's SDPA, 0.400 / 0.398 ms) against
+# 0.493 / 0.497 for (64, 128, 4, 3); the causal GQA prefill 3.166 / 3.199 ms (1.23x / 1.20x)
+# against 3.254 / 3.275. At D=64 (SD3) the configs tie within noise: fused accumulation, 3
+# stages, 0.596 / 0.592 ms (0.98x / 0.99x) against 0.600 / 0.597 (a 168-register cap: 0.592).
+# No D=64 causal shape was timed: it keeps the old default. The 16-bit P.V variant (pv16,
+# k_token), the only one that passes the gate on i.i.d. randn (relative L1 0.9% against FP8's
+# 3.9%), ran 25-35% slower at D=128 and 14% at D=64, so it is not the default.
 _CONFIGS = {
     (64, False): LaunchConfig(64, 128, 4, 3, 1),
     (64, True): LaunchConfig(64, 128, 4, 3),
