@@ -3,9 +3,10 @@
 // DTensor.__torch_dispatch__ is this module's `torch_dispatch` (dtorch_core/planner/
 // native_dispatch.py installs it). For every aten op on DTensors it builds the plan-cache key
 // exactly as dtorch_core/planner/dispatch.py's _key_of does, looks the plan up in the session's
-// cache and, for a "simple" DirectPlan (no redistribution, no plain inputs, no aliases), makes
-// the output handles, the Call instruction and appends it to the session's pending stream: the
-// work of DirectPlan._run_simple (or of DirectPlan.run for a view that moves nothing), with no
+// cache and, for a DirectPlan that moves and writes nothing (no redistribution, no plain inputs,
+// no aliases: DirectPlan.fast), makes the output handles (one tensor, or a tuple/list of tensors,
+// None and known sizes), the Call instruction and appends it to the session's pending stream:
+// the work of DirectPlan._run_simple (or of DirectPlan.run for a view or None outputs), with no
 // Python frame. Any other case (a cache miss, a plan
 // that moves data, plain tensors, a closed session, inputs of several sessions, a shadowed emit
 // while dt.compile records) goes to the Python dispatcher, which builds, runs or raises exactly
@@ -210,12 +211,16 @@ PyObject *python_path(PyObject *func, PyObject *args, PyObject *kwargs) {
 
 // The simple plan's work (DirectPlan._run_simple); nullptr with no error set: take the Python path.
 PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs) {
-    // fast = (plan_id, outs, seeded, view_kind): outs = ((spec, view, shape, stride, dtype, device),)
-    // (DirectPlan.fast is None unless the plan has one output, moves and writes nothing)
+    // fast = (plan_id, outs, seeded, view_kind, structure) (DirectPlan._fast_form): per flat
+    // output (spec, view, shape, stride, dtype, device), None, or (size,); structure 0: the one
+    // tensor, 1: a tuple, 2: a list
+    if (PyTuple_GET_SIZE(fast) != 5) return nullptr;
     PyObject *plan_id = PyTuple_GET_ITEM(fast, 0);
     PyObject *outs = PyTuple_GET_ITEM(fast, 1);
     bool seeded = PyTuple_GET_ITEM(fast, 2) == Py_True;
-    PyObject *view_kind = PyTuple_GET_ITEM(fast, 3);  // 1: the output views input 0
+    PyObject *view_kind = PyTuple_GET_ITEM(fast, 3);  // 1: the outputs view input 0
+    long structure = PyLong_AsLong(PyTuple_GET_ITEM(fast, 4));
+    if (structure == -1 && PyErr_Occurred()) return nullptr;
     int is_view = PyObject_IsTrue(view_kind);
     if (is_view < 0) return nullptr;
 
@@ -234,11 +239,26 @@ PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs) {
     }
 
     Py_ssize_t n_out = PyTuple_GET_SIZE(outs);
+    if (structure == 0 && n_out != 1) return nullptr;
     Ref out_tids(PyTuple_New(n_out));
     Ref results(PyList_New(n_out));
-    if (!out_tids || !results || n_out != 1) return nullptr;
+    if (!out_tids || !results) return nullptr;
     for (Py_ssize_t i = 0; i < n_out; ++i) {
         PyObject *o = PyTuple_GET_ITEM(outs, i);
+        if (o == Py_None || (PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 1)) {
+            // no tensor here (as DirectPlan.run: id -1): None, or a size the controller knows
+            PyObject *none_tid = PyLong_FromLong(-1);
+            if (!none_tid) return nullptr;
+            PyTuple_SET_ITEM(out_tids.p, i, none_tid);
+            PyObject *value = o == Py_None ? Py_None : PyTuple_GET_ITEM(o, 0);
+            Py_INCREF(value);
+            PyList_SET_ITEM(results.p, i, value);
+            continue;
+        }
+        if (!PyTuple_Check(o) || PyTuple_GET_SIZE(o) != 6) {
+            PyErr_SetString(PyExc_SystemError, "dtorch _fastpath: a fast plan's output entry has an unknown form");
+            return nullptr;
+        }
         Ref last(PyObject_GetAttr(session, s_tid_counter));  // session.new_tid()
         if (!last) return nullptr;
         PyObject *one = PyLong_FromLong(1);
@@ -303,8 +323,16 @@ PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs) {
             if (!f) return nullptr;
         }
     }
-    PyObject *r = PyList_GET_ITEM(results.p, 0);
-    Py_INCREF(r);
+    PyObject *r;
+    if (structure == 0) {
+        r = PyList_GET_ITEM(results.p, 0);
+        Py_INCREF(r);
+    } else if (structure == 1) {
+        r = PyList_AsTuple(results.p);
+        if (!r) return nullptr;
+    } else {
+        r = results.release();
+    }
     ++native_ops;
     return r;
 }

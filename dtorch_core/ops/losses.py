@@ -12,7 +12,7 @@ import torch
 
 from ..planner.dispatch import dispatch_direct
 from ..tensor import DTensor
-from .common import replicate_all
+from .common import planned_directly_when, replicate_all
 
 aten = torch.ops.aten
 NONE, MEAN, SUM = 0, 1, 2
@@ -112,12 +112,15 @@ def local_unless_sharded(op, decomposition):
     """Run ``op`` itself on the workers when every input is whole on each of them (torch's one
     kernel); decompose only when a shard or a partial sum must be reduced across workers."""
 
+    def direct(*args, **kwargs):
+        return all(_replicated(a) for a in args) and all(_replicated(v) for v in kwargs.values())
+
     def run(*args, **kwargs):
-        if all(_replicated(a) for a in args) and all(_replicated(v) for v in kwargs.values()):
+        if direct(*args, **kwargs):
             return dispatch_direct(op, args, kwargs)
         return decomposition(*args, **kwargs)
 
-    return run
+    return planned_directly_when(run, direct)
 
 
 def register(registry) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..placement import Partial, Replicate, Shard
-from .common import LINEAR_PARTIALS, R, pointwise_strategies, replicate_all
+from .common import LINEAR_PARTIALS, R, planned_directly_when, pointwise_strategies, replicate_all
 from .kernels import attention_kernel_name, attention_overloads
 from ..planner.schema import Rule, Strategy
 from ..tensor import DTensor
@@ -36,8 +36,11 @@ def softmax_decomposition(op):
     reduce exactly across shards (small all-reduces), and the result keeps the shards."""
     log = op is aten._log_softmax.default
 
+    def direct(x, dim, half_to_float):
+        return not _sharded_along(x, dim) or half_to_float
+
     def run(x, dim, half_to_float):
-        if not _sharded_along(x, dim) or half_to_float:
+        if direct(x, dim, half_to_float):
             return dispatch_direct(op, (x, dim, half_to_float), {})
         shifted = aten.sub.Tensor(x, aten.amax.default(x, [dim], True))
         exps = aten.exp.default(shifted)
@@ -46,15 +49,18 @@ def softmax_decomposition(op):
             return aten.sub.Tensor(shifted, aten.log.default(total))
         return aten.div.Tensor(exps, total)
 
-    return run
+    return planned_directly_when(run, direct)
 
 
 def softmax_backward_decomposition(op):
     """The backward ops through the same reductions, when the softmax dim is sharded."""
     log = op is aten._log_softmax_backward_data.default
 
+    def direct(grad, out, dim, input_dtype):
+        return not (_sharded_along(grad, dim) or _sharded_along(out, dim)) or grad.dtype != input_dtype
+
     def run(grad, out, dim, input_dtype):
-        if not (_sharded_along(grad, dim) or _sharded_along(out, dim)) or grad.dtype != input_dtype:
+        if direct(grad, out, dim, input_dtype):
             return dispatch_direct(op, (grad, out, dim, input_dtype), {})
         if log:  # grad - exp(out) * sum(grad)
             total = aten.sum.dim_IntList(grad, [dim], True)
@@ -62,7 +68,7 @@ def softmax_backward_decomposition(op):
         total = aten.sum.dim_IntList(aten.mul.Tensor(grad, out), [dim], True)  # out * (grad - sum(grad*out))
         return aten.mul.Tensor(out, aten.sub.Tensor(grad, total))
 
-    return run
+    return planned_directly_when(run, direct)
 
 
 def softmax_backward_rule(call):
@@ -235,19 +241,24 @@ def nll_loss_forward_decomposition(op):
     """Mean loss over a batch-sharded input: sum locally, then divide by the global weight
     (exact for uneven shards, unlike a mean of per-shard means)."""
 
-    def decomposition(x, target, weight, reduction, ignore_index):
+    def direct(x, target, weight, reduction, ignore_index):
+        if op is aten.nll_loss_forward.default and _class_sharded(x):
+            return False
         batch_dims = _nll_batch_dims(x)
         sharded = isinstance(x, DTensor) and any(
             isinstance(p, Shard) and p.dim in batch_dims for p in x._spec.placements
         )
+        return reduction != 1 or not sharded
+
+    def decomposition(x, target, weight, reduction, ignore_index):
         if op is aten.nll_loss_forward.default and _class_sharded(x):
             return _class_sharded_nll(x, target, weight, reduction, ignore_index)
-        if reduction != 1 or not sharded:
+        if direct(x, target, weight, reduction, ignore_index):
             return dispatch_direct(op, (x, target, weight, reduction, ignore_index), {})
         total, weight_sum = op(x, target, weight, 2, ignore_index)
         return aten.div.Tensor(total, weight_sum), weight_sum
 
-    return decomposition
+    return planned_directly_when(decomposition, direct)
 
 
 def _class_sharded(x) -> bool:
@@ -298,6 +309,9 @@ def nll_loss_backward_decomposition(grad_output, x, target, weight, reduction, i
         return aten.mul.Tensor(grad, aten.unsqueeze.default(grad_output, 1))
     grad = aten.mul.Tensor(grad, grad_output)
     return aten.div.Tensor(grad, total_weight) if reduction == 1 else grad
+
+
+nll_loss_backward_decomposition.applies = lambda args, kwargs: _class_sharded(args[1])
 
 
 def nll_loss_backward_rule(call):

@@ -20,7 +20,7 @@ from ..spec import TensorSpec, canonical_spec, contiguous_stride
 from ..tensor import DTensor, Handle, handle_device
 from .emit import emit_steps
 from .source import user_source
-from .trees import first_output, same_arguments
+from .trees import Rebuild, first_output, same_arguments
 
 
 @attrs.define
@@ -42,20 +42,39 @@ class DirectPlan:
     writes: tuple = ()  # input indices the op writes
     view_kind: int = 0  # 0: not a view op; 1: outputs alias input 0; 2: they alias a moved copy
     op_name: str = ""
-    # what the native hot path (planner/native_dispatch.py) needs, unpacked once, of a plan with
-    # one output that moves nothing and writes nothing (simple, or a view of input 0):
-    # (plan_id, ((spec, view, shape, stride, dtype, device),), seeded, view_kind)
+    # what the native hot path (planner/native_dispatch.py) needs, unpacked once, of a plan that
+    # moves nothing, writes nothing and returns no input (simple, a view of input 0, or with None
+    # outputs), whose outputs are one tensor or a tuple/list (trees.Rebuild):
+    # (plan_id, outs, seeded, view_kind, structure); per flat output in outs
+    # (spec, view, shape, stride, dtype, device), None (a None output) or (size,) (a size the
+    # controller knows); structure 0: the one tensor, 1: a tuple, 2: a list
     fast: tuple | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self):
         self.out_specs = tuple(None if s is None else canonical_spec(s) for s in self.out_specs)
-        direct = self.simple or (
-            self.view_kind == 1 and not self.writes and not self.rebind and all(not m for m in self.moves)
-            and all(a is None for a in self.out_alias))
-        if direct and len(self.out_specs) == 1 and self.out_specs[0] is not None and self.rebuild is first_output:
-            spec, view = self.out_specs[0], self.out_views[0]
-            self.fast = (self.plan_id, ((spec, view, spec.shape, spec.stride, spec.dtype,
-                                         handle_device(spec.mesh.device_type)),), self.seeded, self.view_kind)
+        self.fast = self._fast_form()
+
+    def _fast_form(self) -> tuple | None:
+        if self.writes or self.rebind or self.view_kind not in (0, 1) or any(self.moves) or not self.moves \
+                or any(a is not None for a in self.out_alias):
+            return None
+        if self.rebuild is first_output:
+            if len(self.out_specs) != 1 or self.out_specs[0] is None:
+                return None
+            structure, sizes = 0, {}
+        elif type(self.rebuild) is Rebuild and self.rebuild.kind in (tuple, list):
+            structure, sizes = (1 if self.rebuild.kind is tuple else 2), dict(self.rebuild.sizes)
+        else:
+            return None
+        outs = []
+        for k, (spec, view) in enumerate(zip(self.out_specs, self.out_views)):
+            if k in sizes:
+                outs.append((sizes[k],))
+            elif spec is None:
+                outs.append(None)
+            else:
+                outs.append((spec, view, spec.shape, spec.stride, spec.dtype, handle_device(spec.mesh.device_type)))
+        return (self.plan_id, tuple(outs), self.seeded, self.view_kind, structure)
 
     def run(self, session, args, kwargs, inputs):
         if self.simple:

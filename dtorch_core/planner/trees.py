@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
+import attrs
 import torch
 
 from ..errors import OpError
@@ -51,6 +52,23 @@ def first_output(flat: list):
     return flat[0]
 
 
+@attrs.frozen
+class Rebuild:
+    """The rebuild of a tuple or list of outputs (tensors, None, and sizes the controller knows):
+    ``sizes`` holds (index, value) of the sizes, whose flat entries are None. The native hot path
+    reads ``kind`` and ``sizes`` to build the same structure in C."""
+
+    kind: type  # tuple or list
+    sizes: tuple = ()
+
+    def __call__(self, outs):
+        if self.sizes:
+            outs = list(outs)
+            for k, v in self.sizes:
+                outs[k] = v
+        return self.kind(outs)
+
+
 def flatten_outputs(out) -> tuple[list, Callable]:
     """Flat list of output tensors (None kept) and a function that rebuilds the structure."""
     if isinstance(out, torch.Tensor):
@@ -70,9 +88,7 @@ def flatten_outputs(out) -> tuple[list, Callable]:
                 flat.append(None)
             else:
                 raise OpError(f"output {o!r} is not a tensor")
-        if sizes:
-            return flat, lambda outs: kind(sizes.get(k, o) if k in sizes else o for k, o in enumerate(outs))
-        return flat, lambda outs: kind(outs)
+        return flat, Rebuild(kind, tuple(sizes.items()))
     raise OpError(f"op returned {type(out).__name__}, which dtorch cannot distribute")
 
 
