@@ -163,3 +163,30 @@ def test_the_plans_of_whole_inputs_skip_the_decomposition(mesh1d):
              if type(k) is tuple and len(k) == 2 and k[0] is aten._softmax.default}
     assert kinds[(dt.Replicate(),)] == DirectPlan.__name__
     assert kinds[(dt.Shard(1),)] == "FunctionPlan"
+
+
+def test_an_optimizer_with_a_scheduler_keeps_the_plan_cache_bounded(mesh1d):
+    # torch.optim's foreach calls carry numbers that change every step (step sizes, a scheduled
+    # learning rate); the dispatcher's cache must not gain an entry per step (it did: two per
+    # AdamW step, more with a scheduler). Values as torch.optim's on plain tensors.
+    torch.manual_seed(0)
+    init = [torch.randn(9, 7), torch.randn(7), torch.randn(5, 3)]
+    plain = [t.clone().requires_grad_() for t in init]
+    dist = [dt.distribute_tensor(t, mesh1d, pl).requires_grad_()
+            for t, pl in zip(init, ([dt.Shard(0)], [dt.Replicate()], [dt.Shard(1)]))]
+    sides = []
+    for params in (plain, dist):
+        opt = torch.optim.AdamW(params, lr=1e-2, foreach=True)
+        sides.append((params, opt, torch.optim.lr_scheduler.StepLR(opt, 1, 0.9)))
+    session = session_module._session
+    sizes = []
+    for step in range(8):
+        for params, opt, sched in sides:
+            sum((p * p).sum() for p in params).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        sizes.append(len(session.plans))
+    for p, d in zip(plain, dist):
+        assert_close(d.full_tensor(), p.detach())
+    assert sizes[-1] == sizes[3], sizes

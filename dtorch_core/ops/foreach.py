@@ -179,4 +179,8 @@ def register(registry) -> None:
             _element(name, op._overloadname)
         except AttributeError:
             continue  # no single-tensor op to fall back on: the rule alone (foreach_rule) serves it
-        registry.add_decomposition(op, functools.partial(foreach_decomposition, op))
+        decomposition = functools.partial(foreach_decomposition, op)
+        # numbers in the call (Scalar, Scalar[]): torch.optim's change every step; run_foreach
+        # keeps its plans without them, so the dispatcher's cache does not keep one per value
+        decomposition.cache_plan = not any(str(a.type) in ("number", "List[number]") for a in op._schema.arguments)
+        registry.add_decomposition(op, decomposition)

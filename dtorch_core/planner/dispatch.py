@@ -39,7 +39,9 @@ def dispatch(func, args, kwargs):
         session_of(func, inputs)  # raises, naming the reason
     plan = session.plans.get(key)
     if plan is None:
-        plan = session.plans[key] = build_plan(session, func, args, kwargs, inputs)
+        plan = build_plan(session, func, args, kwargs, inputs)
+        if type(plan) is not FunctionPlan or plan.cached:
+            session.plans[key] = plan
     return plan.run(session, args, kwargs, inputs)
 
 
@@ -116,7 +118,7 @@ def build_plan(session, func, args, kwargs, inputs):
     decomposition = session.ops.decomposition_for(func)
     if decomposition is not None and _decomposes(decomposition, args, kwargs):
         # the ops it calls check their own meshes (a foreach list may span several)
-        return FunctionPlan(decomposition)
+        return FunctionPlan(decomposition, getattr(decomposition, "cache_plan", True))
     mesh, view = common_mesh(func, inputs)
     rule = session.ops.rule_for(func)
     if rule is None:

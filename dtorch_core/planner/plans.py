@@ -219,6 +219,11 @@ class FunctionPlan:
     """Run a Python function on the controller (decompositions, fallbacks, reads)."""
 
     fn: Callable
+    # False: not kept in the plan cache. A decomposition whose calls carry numbers that change
+    # from call to call (torch.optim's step sizes, a scheduled learning rate) and that keeps its own
+    # cache without them (ops/foreach_plan.py) says so (``cache_plan = False``): keyed by those
+    # numbers, the cache would gain an entry on every optimizer step for the life of the session
+    cached: bool = True
 
     def run(self, session, args, kwargs, inputs):
         return self.fn(*args, **kwargs)
