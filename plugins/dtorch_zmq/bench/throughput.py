@@ -1,7 +1,7 @@
 """Transport throughput to 4 workers on loopback: the remote runner's ZMQ transport (one copy per
 node, and one copy per worker) against the process runner's shared-memory channel, in one run.
 
-    python plugins/dtorch_zmq/bench/throughput.py [--world 4] [--batches 400] [--batch 256] [--no-e2e]
+    python plugins/dtorch_zmq/bench/throughput.py [--world 4] [--batches 400] [--batch 256] [--rounds 3] [--no-e2e]
 
 Transport rows: pre-encoded batches of real small instructions (the ``Call`` instructions the session
 emits for ``x + 1``, 256 per batch) go to ``--world`` stand-in worker processes
@@ -13,7 +13,9 @@ emits for ``x + 1``, 256 per batch) go to ``--world`` stand-in worker processes
 
 ``ack`` rows do the same with workers that take each batch without decoding it (only the
 final ``Stats`` is decoded): the transport's own ceiling. The end-to-end rows (real workers,
-``dt`` ops) give the controller's CPU per op, remote against process. Target (issue 16):
+``dt`` ops) give the controller's CPU per op, remote against process (``--rounds`` sessions of
+each, alternating; the median). The bench checks that every remote worker reports the native
+per-op path and decoder (``dtorch_core.worker.native``) in its HELLO. Target (issue 16):
 >= 200k instructions/s to 4 workers; controller cost per op within 1.2x of the process runner.
 """
 
@@ -81,6 +83,7 @@ def remote_rows(world: int, key: str, batches: int, batch: bytes, count: int, fa
     try:
         dt.init(world_size=world, runner="remote", listen=address, key_file=key, fanout=fanout, startup_timeout=120)
         runner = current_session().runner
+        _check_native(runner, world)
         targets = runner.leaders if fanout else [runner._conns[r] for r in range(world)]
 
         def send(data) -> None:  # what RemoteRunner.submit does after encoding
@@ -96,6 +99,17 @@ def remote_rows(world: int, key: str, batches: int, batch: bytes, count: int, fa
         codes = [p.wait(60) for p in procs]
     assert codes == [0] * world, codes
     return row
+
+
+def _check_native(runner, world: int) -> None:
+    """Every worker's HELLO says which per-op path and decoder it uses (dtorch_core.worker.native)."""
+    paths = {runner._conns[r].native for r in range(world)}
+    NATIVE_PATHS.update(paths)
+    if os.environ.get("DTORCH_NATIVE_WORKER", "1") != "0" and paths != {"native"}:
+        raise SystemExit(f"the workers do not use the native decoder: {sorted(paths)}")
+
+
+NATIVE_PATHS: set = set()
 
 
 def channel_rows(world: int, batches: int, batch: bytes, count: int, decode: bool) -> dict:
@@ -149,6 +163,8 @@ def e2e_cpu_per_op(world: int, runner: str, key: str, ops: int) -> float:
         options = {"listen": address, "key_file": key}
     try:
         dt.init(world_size=world, runner=runner, **options)
+        if runner == "remote":
+            _check_native(current_session().runner, world)
         mesh = dt.init_device_mesh("cpu", (world,))
         x = dt.distribute_tensor(torch.zeros(64 * world, 64), mesh, [dt.Shard(0)])
         for _ in range(256):
@@ -167,12 +183,22 @@ def e2e_cpu_per_op(world: int, runner: str, key: str, ops: int) -> float:
     return 1e6 * cpu / ops
 
 
+def e2e_rows(world: int, key: str, ops: int, rounds: int) -> dict:
+    """``rounds`` sessions of each runner, alternating; each runner's list of controller CPU us/op."""
+    out = {"process": [], "remote": []}
+    for _ in range(rounds):
+        for runner, figures in out.items():
+            figures.append(e2e_cpu_per_op(world, runner, key, ops))
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--batches", type=int, default=400)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--ops", type=int, default=4096, help="end-to-end ops")
+    parser.add_argument("--rounds", type=int, default=3, help="end-to-end sessions per runner (alternating)")
     parser.add_argument("--no-e2e", action="store_true")
     args = parser.parse_args()
     batch = small_batch(args.batch)
@@ -187,9 +213,10 @@ def main() -> int:
                                                                  True, decode)
             rows[f"zmq one copy per worker, {mode}"] = remote_rows(args.world, key, args.batches, batch, args.batch,
                                                                    False, decode)
-        e2e = {} if args.no_e2e else {r: e2e_cpu_per_op(args.world, r, key, args.ops) for r in ("process", "remote")}
+        e2e = {} if args.no_e2e else e2e_rows(args.world, key, args.ops, args.rounds)
     print(f"world {args.world}, {args.batches} batches of {args.batch} instructions ({len(batch)} bytes), "
-          f"{os.cpu_count()} CPU cores")
+          f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f}")
+    print(f"  the remote workers' per-op path and decoder (their HELLO): {', '.join(sorted(NATIVE_PATHS))}")
     for name, row in rows.items():
         anchor = rows[f"process channel, {name.rsplit(', ', 1)[1]}"]["instr/s"]
         print(f"  {name:32s} instr/s {row['instr/s']:>10,.0f}  decoded/s {row['instr/s'] * args.world:>10,.0f}  "
@@ -198,9 +225,13 @@ def main() -> int:
     print(f"  >= 200k instructions/s to {args.world} workers (decoded): {best:,.0f} "
           f"({'met' if best >= 200_000 else 'NOT met'})")
     if e2e:
-        ratio = e2e["remote"] / e2e["process"]
-        print(f"  end to end, controller CPU per op: process {e2e['process']:.1f} us, remote {e2e['remote']:.1f} us, "
-              f"remote/process {ratio:.2f}x (target <= 1.2x: {'met' if ratio <= 1.2 else 'NOT met'})")
+        med = {r: statistics.median(v) for r, v in e2e.items()}
+        ratio = med["remote"] / med["process"]
+        for r, v in e2e.items():
+            print(f"  end to end, controller CPU per op, {r}: " + ", ".join(f"{x:.1f}" for x in v) + " us")
+        print(f"  end to end, controller CPU per op (median of {args.rounds}): process {med['process']:.1f} us, "
+              f"remote {med['remote']:.1f} us, remote/process {ratio:.2f}x "
+              f"(target <= 1.2x: {'met' if ratio <= 1.2 else 'NOT met'})")
     return 0
 
 

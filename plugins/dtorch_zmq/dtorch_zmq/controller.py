@@ -40,6 +40,7 @@ class Connection:
     lost: bool = False
     node: str = ""  # what the worker reported (DTORCH_NODE_ID, else its host name)
     shm: bool = False  # whether it can use the native shared-memory channels
+    native: str = ""  # the worker's per-op path and decoder (dtorch_core.worker.native.active())
     leader: int | None = None  # a follower: the rank whose connection relays it
     followers: tuple = ()  # a leader: the ranks it relays
 
@@ -136,11 +137,12 @@ class ControllerEndpoint:
             info = json.loads(bytes(parts[0].bytes))
             rank, pid, host = int(info["rank"]), int(info["pid"]), str(info["host"])
             node, shm = str(info.get("node") or host), bool(info.get("shm", False))
+            native = str(info.get("native", ""))
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise fr.FrameError(f"malformed hello ({exc})") from None
         self._seen_nonces.add(nonce)
         conn = Connection(identity, nonce, rank, _peer(body), pid, host, last_seen=time.monotonic(), node=node,
-                          shm=shm)
+                          shm=shm, native=native)
         if not 0 <= rank < self._world_size or rank in self.by_rank:
             why = (f"rank {rank} is out of range for world size {self._world_size}"
                    if not 0 <= rank < self._world_size else f"rank {rank} is already connected")

@@ -30,12 +30,21 @@ from dtorch_core.transport.base import DEFAULT_SPIN_US
 from . import frames as fr
 from .keys import frame_key, read_key
 from .node import FollowerEndpoint
-from .transport import PING_EVERY_S, IOLoop, Outgoing, new_context, quiet_socket
+from .transport import (
+    PING_EVERY_S,
+    WINDOW_BYTES,
+    IOLoop,
+    Outgoing,
+    new_context,
+    quiet_socket,
+)
 
 CONTROLLER_GONE = 3  # exit status, as the process runner's workers use
 REFUSED_EXIT = 4
 BYE_GRACE_S = 3.0  # a worker told to exit that is still busy this long later exits at once
-CREDIT_EVERY = 64  # batches between credit reports (and whenever the queue runs dry)
+CREDIT_EVERY = 64  # batches between credit reports while batches keep coming
+CREDIT_IDLE_S = 0.02  # and once the queue has been dry this long with batches taken but not reported
+CREDIT_BYTES = WINDOW_BYTES // 8  # and once this many bytes were taken since the last report
 
 
 def worker_rank(explicit: int | None) -> int:
@@ -55,6 +64,13 @@ def worker_rank(explicit: int | None) -> int:
 def node_id(explicit: str | None = None) -> str:
     """The node this worker reports: ``DTORCH_NODE_ID`` (tests simulate nodes with it), else the host name."""
     return explicit or os.environ.get("DTORCH_NODE_ID", "").strip() or socket.gethostname()
+
+
+def _native_path() -> str:
+    """What ``dtorch_core.worker.native.active()`` says in this process ("native", or "python (why)")."""
+    from dtorch_core.worker.native import active
+
+    return active()
 
 
 def _shm_available() -> bool:
@@ -95,7 +111,7 @@ class WorkerEndpoint:
         self.loop = IOLoop(self.context, sock, self._received, self._tick, "dtorch-zmq-worker",
                            on_error=self._loop_died)
         hello = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "node": node_id(node),
-                 "shm": _shm_available()}
+                 "shm": _shm_available(), "native": _native_path()}
         self.send(fr.HELLO, [json.dumps(hello).encode()])  # first: it takes sequence number 0
         self.loop.start()
 
@@ -242,21 +258,37 @@ def connect(address: str, key: bytes, rank: int, silence_s: float, connect_s: fl
 
 
 def serve_batches(endpoint, rank: int, execute, reply) -> int:
-    """Run what arrives until told to exit: credit every :data:`CREDIT_EVERY` batches and
-    whenever the queue runs dry, a goodbye at the end. Returns the exit code."""
+    """Run what arrives until told to exit: credit every :data:`CREDIT_EVERY` batches or
+    :data:`CREDIT_BYTES` bytes, and when the queue has been dry for :data:`CREDIT_IDLE_S` with batches not yet reported; a
+    goodbye at the end. Returns the exit code.
+
+    So the controller, whose window (``transport.WINDOW_BATCHES`` / ``WINDOW_BYTES``) is far
+    larger than ``CREDIT_EVERY`` batches, never waits on a worker that is waiting for batches for
+    longer than ``CREDIT_IDLE_S``, and a worker that is busy, or that gets batches faster than
+    that, reports once per ``CREDIT_EVERY`` batches instead of once per batch."""
     from dtorch_core.ir.instructions import Reply
 
     from .runner import GOODBYE
 
-    taken = reported = 0
+    taken = reported = unreported = 0
+    inbox = endpoint.inbox
     while True:
-        kind, data = endpoint.inbox.get()
+        if taken == reported:
+            kind, data = inbox.get()
+        else:
+            try:
+                kind, data = inbox.get(timeout=CREDIT_IDLE_S)
+            except queue.Empty:
+                endpoint.credit(taken)
+                reported, unreported = taken, 0
+                kind, data = inbox.get()
         if kind != fr.BATCH:
             return _ended(kind, data, rank)
         taken += 1
-        if taken - reported >= CREDIT_EVERY or endpoint.inbox.empty():
+        unreported += len(data) if type(data) is not tuple else sum(len(p) for p in data if p is not None)
+        if taken - reported >= CREDIT_EVERY or unreported >= CREDIT_BYTES:
             endpoint.credit(taken)
-            reported = taken
+            reported, unreported = taken, 0
         if is_shutdown(data):
             reply(Reply(GOODBYE, rank, value=None))
             return 0

@@ -102,3 +102,15 @@ def test_a_killed_worker_raises_within_10s_and_shutdown_leaves_no_process(key_fi
         dt.shutdown()
         codes = reap(session.procs)
     assert codes[1] == -signal.SIGKILL
+
+
+def test_workers_report_the_per_op_path_they_run_in_their_hello(remote3):
+    from dtorch_core.controller.session import current_session
+    from dtorch_core.worker import native
+
+    runner = current_session().runner
+    # the workers run in this environment: what native.active() says here, they say too
+    assert {runner._conns[r].native for r in range(3)} == {native.active()}
+    mesh = dt.init_device_mesh("cpu", (3,))
+    x = torch.arange(10.0)
+    close((dt.distribute_tensor(x, mesh, [dt.Shard(0)]) * 2 + 1).full_tensor(), x * 2 + 1)
