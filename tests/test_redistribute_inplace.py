@@ -12,6 +12,10 @@ gloo cases at the end look at DistExchange's results.
 from __future__ import annotations
 
 import contextlib
+import gc
+import sys
+import threading
+import time
 import traceback
 
 import pytest
@@ -21,6 +25,8 @@ import torch.distributed as dist
 import dtorch_core as dt
 from dtorch_core.comm.collectives import combine_all, combine_one
 from dtorch_core.comm.dist import DistExchange
+from dtorch_core.comm.exchange import PENDING
+from dtorch_core.comm.inprocess import InProcessExchange, LockstepExchange
 from dtorch_core.controller import session as session_module
 from dtorch_core.ir.instructions import Call, Collective, DefineMesh, Delete, Fetch
 from dtorch_core.placement import Partial, Shard
@@ -92,11 +98,8 @@ def test_a_dropped_partial_is_reduced_in_its_own_buffer(mesh1d, spy, src, dst):
     assert_close(y, t)
     assert_close(x, t)
     stores = _stores(session)
-    # The buffer itself is checked on the inline runner (and between processes by the gloo cases
-    # below). On the thread runner the check failed in CI's sequential whole-suite run only
-    # (never alone, nor with -n 2): something left by an earlier test holds a reference there, so
-    # the worker copies (correct, but the optimisation is lost); not found yet, see issue 18's note.
-    if stores is not None and step.kind == "all_reduce" and session.runner.name == "inline":
+    # the buffer itself where the workers live in this process (between processes: the gloo cases below)
+    if stores is not None and step.kind == "all_reduce":
         for rank, store in enumerate(stores):
             assert store[y._tid].data_ptr() == sources[rank, y._tid], f"rank {rank} copied its dying source"
 
@@ -171,7 +174,7 @@ def test_an_alias_of_a_dropped_partial_keeps_its_value(mesh1d, spy):
 
 
 def test_later_steps_of_a_plan_consume_their_fresh_source(mesh2d, spy):
-    session, sent, _ = spy
+    session, sent, sources = spy
     t = torch.randn(5, 3)
     x = dt.distribute_tensor(t, mesh2d, [P_SUM, P_SUM])
     with one_batch(session):
@@ -181,6 +184,13 @@ def test_later_steps_of_a_plan_consume_their_fresh_source(mesh2d, spy):
     assert [s.consume for s in steps] == [False, True]  # x is held; the first step's result is not
     assert_close(y, t)
     assert_close(x, t)
+    # the second step reduces into the first one's result on every rank: on the thread runner a
+    # worker reaches it while a peer of the first step has not taken its result yet, so the
+    # communicator must not hold the results it handed out (see test_a_taken_result_...)
+    stores = _stores(session)
+    if stores is not None:
+        for rank, store in enumerate(stores):
+            assert store[y._tid].data_ptr() == sources[rank, y._tid], f"rank {rank} copied its fresh source"
 
 
 def test_full_tensor_of_a_dropped_partial(mesh1d, spy):
@@ -223,6 +233,54 @@ def test_owned_members_get_results_in_their_own_buffers():
                 assert torch.equal(got[i], expected[i]), (k, owned, op, i)
                 assert (got[i].data_ptr() == ptrs[i]) == owned[i], (k, owned, op, i)
             assert len({r.data_ptr() for r in got}) == k  # every member its own tensor
+
+
+@pytest.mark.parametrize("lockstep", [False, True], ids=["threads", "lockstep"])
+def test_a_taken_result_is_held_by_its_member_alone(lockstep):
+    """The in-process communicators: once a member has its result, the group's slot no longer
+    holds it, though its peers have yet to take theirs. On the thread runner the worker that
+    computes the results keeps the turn and runs on, into a later step that consumes its result,
+    before its peers wake: a slot holding the result made it copy."""
+    turn = threading.Lock()
+    ex = LockstepExchange() if lockstep else InProcessExchange(timeout=10.0, turn=turn)
+    key, size = (1, 0, 0, 0), 3
+    values = [torch.randn(4, 2) for _ in range(size)]
+    expected = combine_all("all_reduce", [v.clone() for v in values], 0, "sum", 0)
+    compute = CollectiveStep(Collective("all_reduce", 1, 0, 1, 2, 0, "sum"), 0, owned=True)
+    own, values[0] = values[0], None  # member 0's source: held by the test through ``own`` alone
+    ptr = own.data_ptr()
+    got: dict = {}
+    if lockstep:
+        for i in range(size):
+            assert ex.exchange(key, i, size, own if i == 0 else values[i], compute) is PENDING
+        own = None
+        first = ex.collect(key, 0, compute)
+    else:
+        def member(i):  # as a thread runner worker: holds the turn, gives it up while it waits
+            with turn:
+                got[i] = ex.exchange(key, i, size, values[i], compute)
+
+        peers = [threading.Thread(target=member, args=(i,)) for i in (1, 2)]
+        for p in peers:
+            p.start()
+        deadline = time.monotonic() + 10.0
+        while (key not in ex._slots or ex._slots[key].arrived < 2) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        turn.acquire()  # the peers cannot take their results until it is given up
+        first, own = ex.exchange(key, 0, size, own, compute), None  # the last to arrive: computes
+    assert first.data_ptr() == ptr  # built in member 0's own source
+    held = sys.getrefcount(first) - 2  # less this variable and getrefcount's argument
+    referrers = [type(r).__name__ for r in gc.get_referrers(first)]
+    if lockstep:
+        got = {i: ex.collect(key, i, compute) for i in (1, 2)}
+    else:
+        turn.release()
+        for p in peers:
+            p.join(10.0)
+    assert held == 0, referrers
+    for i, want in enumerate(expected):
+        torch.testing.assert_close(first if i == 0 else got[i], want)
+    assert key not in ex._slots
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,15 @@ def _compute(compute, slot: _Slot) -> list:
     return compute(slot.values)
 
 
+def _take(slot: _Slot, index: int):
+    """Member ``index``'s result, which the slot then stops holding: from here on the member's
+    own (a later step that consumes it must find its store the sole holder, see
+    worker/collectives.py's ``sole_holder``, while peers have yet to take theirs)."""
+    result, slot.results[index] = slot.results[index], None
+    slot.left += 1
+    return result
+
+
 @attrs.define
 class InProcessExchange:
     """Every member of a group deposits a value under one key; the last to arrive computes every
@@ -72,8 +81,7 @@ class InProcessExchange:
             if not ok:
                 raise TimeoutError(f"collective {key} timed out after {self.timeout}s waiting for peers")
         with self._cond:
-            result = slot.results[index]
-            slot.left += 1
+            result = _take(slot, index)
             if slot.left == size:
                 del self._slots[key]
         return result
@@ -107,7 +115,8 @@ class LockstepExchange:
         slot = self._slots[key]
         if slot.results is None:
             slot.results = _compute(compute, slot)
-        slot.left += 1
+            slot.values = None
+        result = _take(slot, index)
         if slot.left == len(slot.results):
             del self._slots[key]
-        return slot.results[index]
+        return result
