@@ -38,7 +38,8 @@ def _take(slot: _Slot, index: int):
 @attrs.define
 class InProcessExchange:
     """Every member of a group deposits a value under one key; the last to arrive computes every
-    member's result with ``compute(values) -> list``, and each member leaves with its own.
+    member's result with ``compute(values) -> list``, and each member leaves with its own (the
+    slot drops its reference then, so that a later step may consume it in place).
 
     Members wait until the results exist, so no member can change its contribution (a tensor
     still in its store) while a peer reads it. Keys are (mesh id, mesh dim, group index,
