@@ -57,6 +57,8 @@ def make_optimizer(model, kind="torch"):
         import dtorch_core as dt
 
         return dt.optim.AdamW(model.parameters(), lr=1e-4)
+    if kind == "fused":  # both sides: torch's fused kernel (dtorch: one worker call per group)
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
 
@@ -118,7 +120,8 @@ def run_case(dt, args, family, size, mesh, dtype, device):
     torch_model = model.to(device)
     torch_batches = [tuple(t.to(device) for t in b) for b in batches]
     sync_torch = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sides.append(Side("torch", torch_model, torch_batches, loss_fn, sync_torch))
+    sides.append(Side("torch", torch_model, torch_batches, loss_fn, sync_torch,
+                      optim="fused" if args.optim == "fused" else "torch"))
 
     # the batches are on the devices before the steps on every side (torch's on its GPU, dtorch's
     # distributed), so the steps time the model and not the host-to-device copy of the data
@@ -206,8 +209,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true", help="count CUDA kernels per step (use --runner thread)")
     parser.add_argument("--top", type=int, default=0, help="with --profile: kernels whose counts differ")
-    parser.add_argument("--optim", default="torch", choices=("torch", "dtorch"),
-                        help="the dtorch sides' optimizer: torch.optim.AdamW or dt.optim.AdamW")
+    parser.add_argument("--optim", default="torch", choices=("torch", "dtorch", "fused"),
+                        help="the dtorch sides' optimizer: torch.optim.AdamW(foreach=True) or dt.optim.AdamW; "
+                             "fused: torch.optim.AdamW(fused=True) on every side")
     parser.add_argument("--issue-times", action="store_true",
                         help="also print how long the controller took to issue each dtorch step")
     parser.add_argument("--json", default=None)
