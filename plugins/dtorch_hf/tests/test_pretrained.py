@@ -52,6 +52,15 @@ def sent_bytes(monkeypatch) -> list:
     return sent
 
 
+def _assert_same_t5_logits(model, ref, batch=3, length=9, decoder_length=4) -> None:
+    """The loaded seq2seq model's logits equal the library's model's on random tokens."""
+    ids = torch.randint(2, 64, (batch, length), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = model(input_ids=ids, decoder_input_ids=ids[:, :decoder_length]).logits
+        want = ref(input_ids=ids, decoder_input_ids=ids[:, :decoder_length]).logits
+    assert rel_err(got, want) <= 1e-4
+
+
 def _assert_same_weights(model, ref) -> None:
     got = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     want = dict(ref.named_parameters(remove_duplicate=False)) | dict(ref.named_buffers())
@@ -73,11 +82,7 @@ def test_t5_loads_into_shards(session, monkeypatch, t5_dir, mesh_name):
     assert dt.Shard(0) in q.placements                       # the T5 family's tp plan
     assert model.lm_head.weight is model.shared.weight is model.encoder.embed_tokens.weight  # still tied
     _assert_same_weights(model, ref)
-    ids = torch.randint(2, 64, (3, 9), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        got = model(input_ids=ids, decoder_input_ids=ids[:, :4]).logits
-        want = ref(input_ids=ids, decoder_input_ids=ids[:, :4]).logits
-    assert rel_err(got, want) <= 1e-4
+    _assert_same_t5_logits(model, ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -20,7 +20,7 @@ from hf_testing import rel_err, tiny_config
 from safetensors.torch import load_file, save_file
 from test_flux import CONFIG as FLUX_CONFIG
 from test_flux import _inputs as flux_inputs
-from test_pretrained import _assert_same_weights, sent_bytes
+from test_pretrained import _assert_same_t5_logits, _assert_same_weights, sent_bytes
 from test_sd3 import CONFIG as SD3_CONFIG
 from test_sd3 import _inputs as sd3_inputs
 from transformers import T5EncoderModel, T5ForConditionalGeneration
@@ -97,11 +97,7 @@ def test_t5_from_bin(session, monkeypatch, t5_bin, kind, mesh_name):
     assert dt.Shard(0) in model.encoder.block[0].layer[0].SelfAttention.q.weight.placements
     assert model.lm_head.weight is model.shared.weight
     _assert_same_weights(model, ref)
-    ids = torch.randint(2, 64, (3, 9), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        got = model(input_ids=ids, decoder_input_ids=ids[:, :4]).logits
-        want = ref(input_ids=ids, decoder_input_ids=ids[:, :4]).logits
-    assert rel_err(got, want) <= 1e-4
+    _assert_same_t5_logits(model, ref)
 
 
 @pytest.mark.parametrize("kind", ["flux", "sd3"])
@@ -252,11 +248,7 @@ def test_key_mapping(session, tmp_path):
     ref = T5ForConditionalGeneration.from_pretrained(tmp_path, key_mapping=mapping).eval()
     assert rel_err(ref.encoder.block[0].layer[0].SelfAttention.q.weight, state["encoder.block.0.layer.0.SelfAttention.q.weight"]) == 0
     _assert_same_weights(model, ref)
-    ids = torch.randint(2, 64, (2, 7), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        got = model(input_ids=ids, decoder_input_ids=ids[:, :3]).logits
-        want = ref(input_ids=ids, decoder_input_ids=ids[:, :3]).logits
-    assert rel_err(got, want) <= 1e-4
+    _assert_same_t5_logits(model, ref, batch=2, length=7, decoder_length=3)
     # two keys mapped onto one name: refused
     with pytest.raises(dtorch_hf.NotAPretrainedModelError, match="both renamed to"):
         dtorch_hf.from_pretrained(tmp_path, mesh=_mesh("tp4"), key_mapping={r"\.q\.": ".k."})

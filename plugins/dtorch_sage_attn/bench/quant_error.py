@@ -25,33 +25,29 @@ def rha(x):  # round half away from zero
 def e4m3(x):
     return x.clamp(-448, 448).to(E4).float()
 
+
+def _int8(x, mode, block):
+    """``x`` (heads, rows, D) rounded to INT8 steps (block: one scale per ``block`` rows, token:
+    per row; exact: unchanged) and its scales (heads, rows, 1)."""
+    H, S, D = x.shape
+    if mode == "exact":
+        return x, torch.ones(H, S, 1)
+    if mode == "block":
+        amax = x.view(H, S // block, block, D).abs().amax((2, 3), keepdim=True).expand(-1, -1, block, 1).reshape(H, S, 1)
+    else:  # "token"
+        amax = x.abs().amax(2, keepdim=True)
+    step = amax / 127
+    return rha(x / step), step
+
+
 def emu(q, k, v, BM=64, BN=128, qmode="block", kmode="block", pmode="e4m3", vmode="e4m3", lmode="exact", smooth_k=True):
     # q (H, Sq, D), k, v (H, Sk, D) float32
     H, Sq, D = q.shape; Sk = k.shape[1]
     scale = 1 / math.sqrt(D)
     if smooth_k:
         k = k - k.mean(1, keepdim=True)
-    # Q quant
-    if qmode == "exact":
-        qd = q; qs = torch.ones(H, Sq, 1)
-    else:
-        if qmode == "block":
-            qb = q.view(H, Sq // BM, BM, D)
-            amax = qb.abs().amax((2, 3), keepdim=True).expand(-1, -1, BM, 1).reshape(H, Sq, 1)
-        elif qmode == "token":
-            amax = q.abs().amax(2, keepdim=True)
-        step = amax / 127
-        qd = rha(q / step); qs = step
-    if kmode == "exact":
-        kd = k; ks = torch.ones(H, Sk, 1)
-    else:
-        if kmode == "block":
-            kb = k.view(H, Sk // BN, BN, D)
-            amax = kb.abs().amax((2, 3), keepdim=True).expand(-1, -1, BN, 1).reshape(H, Sk, 1)
-        elif kmode == "token":
-            amax = k.abs().amax(2, keepdim=True)
-        step = amax / 127
-        kd = rha(k / step); ks = step
+    qd, qs = _int8(q, qmode, BM)  # Q and K: INT8 per block of rows, per row, or exact
+    kd, ks = _int8(k, kmode, BN)
     s = (qd @ kd.transpose(1, 2)) * qs * ks.transpose(1, 2) * scale  # natural units
     vm = v.mean(1, keepdim=True)
     vc = v - vm
