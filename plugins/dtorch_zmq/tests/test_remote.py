@@ -65,6 +65,19 @@ def test_a_large_tensor_round_trips_exactly(remote3):
     assert torch.equal((d * 2).full_tensor(), big_copy * 2)
 
 
+# before the tests below: they replace remote3's session with their own (dt.init)
+def test_workers_report_the_per_op_path_they_run_in_their_hello(remote3):
+    from dtorch_core.controller.session import current_session
+    from dtorch_core.worker import native
+
+    runner = current_session().runner
+    # the workers run in this environment: what native.active() says here, they say too
+    assert {runner._conns[r].native for r in range(3)} == {native.active()}
+    mesh = dt.init_device_mesh("cpu", (3,))
+    x = torch.arange(10.0)
+    close((dt.distribute_tensor(x, mesh, [dt.Shard(0)]) * 2 + 1).full_tensor(), x * 2 + 1)
+
+
 def test_env_form_and_a_wrong_key_is_refused_naming_the_peer(tmp_path, monkeypatch):
     good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
     write_key(good)
@@ -102,15 +115,3 @@ def test_a_killed_worker_raises_within_10s_and_shutdown_leaves_no_process(key_fi
         dt.shutdown()
         codes = reap(session.procs)
     assert codes[1] == -signal.SIGKILL
-
-
-def test_workers_report_the_per_op_path_they_run_in_their_hello(remote3):
-    from dtorch_core.controller.session import current_session
-    from dtorch_core.worker import native
-
-    runner = current_session().runner
-    # the workers run in this environment: what native.active() says here, they say too
-    assert {runner._conns[r].native for r in range(3)} == {native.active()}
-    mesh = dt.init_device_mesh("cpu", (3,))
-    x = torch.arange(10.0)
-    close((dt.distribute_tensor(x, mesh, [dt.Shard(0)]) * 2 + 1).full_tensor(), x * 2 + 1)
