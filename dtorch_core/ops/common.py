@@ -81,10 +81,9 @@ def add_all(registry, packet, rule, **kw) -> None:
 
 def planned_directly_when(decomposition, direct):
     """``decomposition`` with an ``applies`` predicate (planner/dispatch.py's ``_decomposes``): a
-    call for which ``direct(*args, **kwargs)`` holds is planned with the op's own rule, as the
-    decomposition's ``dispatch_direct`` branch plans it, decided once per plan-cache key; so those
-    calls hit the plan cache (and the native hot path) instead of running the decomposition in
-    Python on every call. ``direct`` may read only what the key holds: the input specs and the
-    static arguments."""
+    call for which ``direct(*args, **kwargs)`` holds is planned with the op's own rule, decided
+    once per plan-cache key, and never reaches the decomposition; so those calls hit the plan
+    cache (and the native hot path) instead of running Python on every call. ``direct`` may read
+    only what the key holds: the input specs and the static arguments."""
     decomposition.applies = lambda args, kwargs: not direct(*args, **kwargs)
     return decomposition

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ..planner.dispatch import dispatch_direct
 from ..tensor import DTensor
 from .common import planned_directly_when, replicate_all
 
@@ -108,16 +107,14 @@ def replicated_rule(call):
     return [replicate_all(call)]
 
 
-def local_unless_sharded(op, decomposition):
-    """Run ``op`` itself on the workers when every input is whole on each of them (torch's one
+def local_unless_sharded(decomposition):
+    """Run the op itself on the workers when every input is whole on each of them (torch's one
     kernel); decompose only when a shard or a partial sum must be reduced across workers."""
 
     def direct(*args, **kwargs):
         return all(_replicated(a) for a in args) and all(_replicated(v) for v in kwargs.values())
 
-    def run(*args, **kwargs):
-        if direct(*args, **kwargs):
-            return dispatch_direct(op, args, kwargs)
+    def run(*args, **kwargs):  # its own function object: the predicate is set on it
         return decomposition(*args, **kwargs)
 
     return planned_directly_when(run, direct)
@@ -135,4 +132,4 @@ def register(registry) -> None:
         (aten.binary_cross_entropy_backward.default, binary_cross_entropy_backward),
     ):
         registry.add(op, replicated_rule, replace=True)
-        registry.add_decomposition(op, local_unless_sharded(op, fn))
+        registry.add_decomposition(op, local_unless_sharded(fn))

@@ -10,7 +10,6 @@ from .kernels import attention_kernel_name, attention_overloads
 from ..planner.schema import Rule, Strategy
 from ..tensor import DTensor
 from ..planner.factories import factory
-from ..planner.dispatch import dispatch_direct
 
 aten = torch.ops.aten
 PSUM = Partial("sum")
@@ -39,9 +38,7 @@ def softmax_decomposition(op):
     def direct(x, dim, half_to_float):
         return not _sharded_along(x, dim) or half_to_float
 
-    def run(x, dim, half_to_float):
-        if direct(x, dim, half_to_float):
-            return dispatch_direct(op, (x, dim, half_to_float), {})
+    def run(x, dim, half_to_float):  # the softmax dim is sharded
         shifted = aten.sub.Tensor(x, aten.amax.default(x, [dim], True))
         exps = aten.exp.default(shifted)
         total = aten.sum.dim_IntList(exps, [dim], True)
@@ -59,9 +56,7 @@ def softmax_backward_decomposition(op):
     def direct(grad, out, dim, input_dtype):
         return not (_sharded_along(grad, dim) or _sharded_along(out, dim)) or grad.dtype != input_dtype
 
-    def run(grad, out, dim, input_dtype):
-        if direct(grad, out, dim, input_dtype):
-            return dispatch_direct(op, (grad, out, dim, input_dtype), {})
+    def run(grad, out, dim, input_dtype):  # the softmax dim is sharded
         if log:  # grad - exp(out) * sum(grad)
             total = aten.sum.dim_IntList(grad, [dim], True)
             return aten.sub.Tensor(grad, aten.mul.Tensor(aten.exp.default(out), total))
@@ -253,8 +248,6 @@ def nll_loss_forward_decomposition(op):
     def decomposition(x, target, weight, reduction, ignore_index):
         if op is aten.nll_loss_forward.default and _class_sharded(x):
             return _class_sharded_nll(x, target, weight, reduction, ignore_index)
-        if direct(x, target, weight, reduction, ignore_index):
-            return dispatch_direct(op, (x, target, weight, reduction, ignore_index), {})
         total, weight_sum = op(x, target, weight, 2, ignore_index)
         return aten.div.Tensor(total, weight_sum), weight_sum
 
@@ -298,9 +291,6 @@ def _class_sharded_nll(x, target, weight, reduction, ignore_index):
 
 def nll_loss_backward_decomposition(grad_output, x, target, weight, reduction, ignore_index, total_weight):
     """The gradient for class-sharded log-probs: -weight(target) at the target, scaled."""
-    if not _class_sharded(x):
-        return dispatch_direct(aten.nll_loss_backward.default,
-                               (grad_output, x, target, weight, reduction, ignore_index, total_weight), {})
     one_hot = _class_one_hot(x, target, ignore_index)
     if weight is not None:
         one_hot = aten.mul.Tensor(one_hot, aten.unsqueeze.default(weight, 0))
@@ -311,7 +301,7 @@ def nll_loss_backward_decomposition(grad_output, x, target, weight, reduction, i
     return aten.div.Tensor(grad, total_weight) if reduction == 1 else grad
 
 
-nll_loss_backward_decomposition.applies = lambda args, kwargs: _class_sharded(args[1])
+planned_directly_when(nll_loss_backward_decomposition, lambda grad_output, x, *rest: not _class_sharded(x))
 
 
 def nll_loss_backward_rule(call):
