@@ -80,6 +80,9 @@ class _Tracked:
     fused: set = attrs.field(factory=set)  # indices of groups switched to fused=True
     capturable: set = attrs.field(factory=set)  # indices of groups switched to capturable=True
     mirrors: dict = attrs.field(factory=dict)  # group index -> _Mirror
+    # fused group index -> its param count once every param's state is in place: the eager
+    # pre-hook runs each step and need not look at those params again
+    settled: dict = attrs.field(factory=dict)
     floats: dict = attrs.field(factory=dict)  # during a step: group index -> the float lr to restore
     patched: list = attrs.field(factory=list)  # during a step: (module, original lookup)
 
@@ -164,9 +167,11 @@ def _convert(opt, tracked: _Tracked, capturing: bool) -> None:
     adam = isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
     for i, group in enumerate(opt.param_groups):
         params = group["params"]
-        if not params or not all(type(p) is DTensor for p in params):
-            continue
         if not capturing and i not in tracked.fused and not _eager_fusable(group):
+            continue
+        if tracked.settled.get(i) == len(params):
+            continue
+        if not params or not all(type(p) is DTensor for p in params):
             continue
         mesh = params[0].device_mesh
         if i in tracked.fused or _can_fuse(opt, group, params, mesh):
@@ -180,20 +185,28 @@ def _convert(opt, tracked: _Tracked, capturing: bool) -> None:
         else:
             continue
         fused = i in tracked.fused
+        settled = fused
         for p in params:
             state = opt.state.get(p)
             if fused and adam and not state and p.grad is not None:
                 _init_adam_state(opt, group, p)  # the first step: torch would make a plain step count
                 continue
-            step = state.get("step") if state else None
+            if not state:
+                # none yet (no gradient, or SGD's momentum buffer, made by the step from the
+                # gradient and maybe placed unlike the param): look again next step
+                settled = False
+                continue
+            step = state.get("step")
             if isinstance(step, torch.Tensor) and type(step) is not DTensor:
                 step = step.detach().to(torch.float32) if fused else step.detach()  # fused steps are float32
                 state["step"] = distribute_tensor(step, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
-            if fused and state:
+            if fused:
                 _place_like(p, state)
         if i not in tracked.mirrors and type(group["lr"]) is float and all(p.device_mesh == mesh for p in params):
             lr = torch.tensor(group["lr"], dtype=torch.float32)
             tracked.mirrors[i] = _Mirror(distribute_tensor(lr, mesh, [Replicate()] * mesh.ndim), group["lr"])
+        if settled:
+            tracked.settled[i] = len(params)
 
 
 def _patch_capturable_devices(opt, tracked: _Tracked) -> None:
@@ -235,6 +248,8 @@ def _pre_hook(opt, args, kwargs) -> None:
         if session is None:
             return
         tracked = _tracked[opt] = _Tracked(weakref.ref(opt), session)
+        # a loaded state replaces the one converted (its step counts may be plain tensors again)
+        opt.register_load_state_dict_post_hook(lambda _opt: tracked.settled.clear())
     session = tracked.session
     if session.closed:
         return  # torch's own step raises, naming the ended session

@@ -10,7 +10,15 @@ import torch
 import dtorch_core as dt
 from dtorch_core.controller.session import current_session
 
-from .test_optim_replay import OPTIMIZERS, SCHEDULERS, STEPS, assert_like_torch, loop, setup, train_step
+from .test_optim_replay import (
+    OPTIMIZERS,
+    SCHEDULERS,
+    STEPS,
+    assert_like_torch,
+    loop,
+    setup,
+    train_step,
+)
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
@@ -55,3 +63,19 @@ def test_an_explicit_foreach_is_kept(mesh1d):
     got, _ = loop(train_step, model, opt, SCHEDULERS["step"](opt), batches[:4], (mesh1d, [dt.Shard(0)]))
     assert_like_torch(got, expected, model, ref)
     assert [(g["foreach"], g["fused"]) for g in opt.param_groups] == [(True, None)]
+
+
+def test_a_loaded_state_dict_is_converted_again(mesh1d):
+    """opt.load_state_dict (a resumed run) brings torch's plain step counts back: the next step
+    converts them again instead of trusting the state it converted before."""
+    ref, ref_opt, ref_sched, model, opt, sched, batches = setup(mesh1d, "adamw", "step")
+    expected, _ = loop(train_step, ref, ref_opt, ref_sched, batches)
+    place = (mesh1d, [dt.Shard(0)])
+    first, _ = loop(train_step, model, opt, sched, batches[:5], place)
+    saved = opt.state_dict()
+    for state in saved["state"].values():  # as a checkpoint written by plain torch holds it
+        state["step"] = torch.tensor(float(state["step"].full_tensor()))
+    opt.load_state_dict(saved)
+    rest, _ = loop(train_step, model, opt, sched, batches[5:], place)
+    assert_like_torch(torch.cat([first, rest]), expected, model, ref)
+    assert all(type(s["step"]) is dt.DTensor for s in opt.state.values())
