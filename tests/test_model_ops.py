@@ -130,3 +130,25 @@ def test_plain_zeros_are_made_on_the_workers(mesh1d):
     a, _ = w.chunk(2, dim=1)
     a.sum().backward()
     assert_close(dw.grad.full_tensor(), w.grad)
+
+
+@pytest.mark.parametrize("take", ["chunk", "split_with_sizes", "unbind"])
+def test_autograd_zeros_are_known_without_reading_them(mesh1d, monkeypatch, take):
+    # inside autograd's split/unbind backwards the plain zeros for unused outputs are recognised
+    # from the node torch is running: no Tensor.any() (a host sync on a GPU), no data sent
+    pieces = {"chunk": lambda t: t.chunk(3, dim=1), "split_with_sizes": lambda t: t.split([2, 5, 2], dim=1),
+              "unbind": lambda t: t.unbind(1)}[take]
+    w = torch.randn(5, 9, requires_grad=True)
+    dw = dt.distribute_tensor(w.detach(), mesh1d, [dt.Shard(0)]).requires_grad_()  # 5 rows: uneven
+    reads = []
+    real_any = torch.Tensor.any
+    monkeypatch.setattr(torch.Tensor, "any", lambda t, *a, **k: reads.append(t.shape) or real_any(t, *a, **k))
+    session = current_session()
+    with session.recording() as rec:
+        out = pieces(dw)
+        (out[1] * 3).sum().backward()
+    monkeypatch.undo()
+    assert reads == []
+    assert not any(type(i).__name__ == "Put" for i in rec.instructions)
+    (pieces(w)[1] * 3).sum().backward()
+    assert_close(dw.grad.full_tensor(), w.grad)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 import attrs
+import torch
 
 from ..errors import OpError, SessionError
 from ..ir.instructions import Call, DefinePlan
@@ -236,9 +237,12 @@ def plain_input(session, x, mesh: DeviceMesh) -> tuple:
     A zero tensor is made on the workers instead of sent: autograd formulas make one with
     ``at::zeros`` for the gradient of an unused output (a chunk nobody reads), which no tensor
     subclass sees; sent as data it would cost a host copy per step and keep a captured step out
-    of device graphs (a graph cannot repeat data from the controller).
+    of device graphs (a graph cannot repeat data from the controller). Inside the autograd nodes
+    that make them (:data:`_ZEROS_NODES`) they are known without reading them: on an accelerator
+    ``x.any()`` is a host sync of the controller's stream, about 0.5 ms each on a GPU.
     """
-    if x.numel() == 0 or x.is_complex() or x.requires_grad or bool(x.any()):
+    plain_zeros = x.numel() and not (x.is_complex() or x.requires_grad) and (_autograd_zeros() or not x.any())
+    if not plain_zeros:
         return session.put_replicated(x, mesh), None
     key = ("plain zeros", mesh, tuple(x.shape), x.dtype)
     plan = session.plans.get(key)
@@ -252,6 +256,20 @@ def plain_input(session, x, mesh: DeviceMesh) -> tuple:
             pure=True, out_specs=(spec,), out_views=(mesh,), rebuild=lambda outs: outs[0])
     zeros = plan.run(session, (), {}, [])
     return zeros._tid, zeros
+
+
+# Autograd nodes whose formulas (torch's split/unbind backwards) fill the gradient of every output
+# nobody used with ``at::zeros`` of the input's options and hand them (stack: unsqueezed), beside
+# the DTensor gradients, to one ``cat``: a plain tensor that such a node passes to an op is one of
+# them. (A user's tensor hook returning a plain tensor for a DTensor's chunk would be taken for
+# zeros too; such a graph mixes plain and distributed gradients, which nothing else accepts.)
+_ZEROS_NODES = frozenset({"SplitBackward0", "SplitWithSizesBackward0", "UnsafeSplitBackward0",
+                          "UnsafeSplitWithSizesBackward0", "UnbindBackward0"})
+
+
+def _autograd_zeros() -> bool:
+    node = torch._C._current_autograd_node()
+    return node is not None and type(node).__name__ in _ZEROS_NODES
 
 
 def kernel_plan(session, mesh: DeviceMesh, target: str, per_rank: dict, *, op_name: str, pure: bool,
