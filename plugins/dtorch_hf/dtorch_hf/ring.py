@@ -34,7 +34,9 @@ import torch
 import torch.nn.functional as F
 
 import dtorch_core as dt
-from dtorch_core.placement import Replicate, Shard, chunk_extent
+from dtorch_core.placement import Replicate, Shard
+
+from .ring_mask import block_positions, mask_biases
 
 aten = torch.ops.aten
 SP_MODE_ATTR = "dtorch_sp_mode"
@@ -62,10 +64,17 @@ def ring_mesh_dim(attn, query) -> int | None:
     return None
 
 
-def ring_attention(queries, keys, values, mesh_dim: int, scale: float | None = None) -> list:
+def ring_attention(queries, keys, values, mesh_dim: int, scale: float | None = None, attn_mask=None) -> list:
     """Joint attention of the streams (lists of (batch, seq, heads, head_dim) tensors, one per
     stream, each sequence-sharded on ``mesh_dim``): the queries of every stream attend to the
-    keys of all of them. Returns one output per stream, laid out as its queries."""
+    keys of all of them. Returns one output per stream, laid out as its queries.
+
+    ``attn_mask``: as scaled_dot_product_attention's (boolean, True = attend, or additive
+    float), over the joint sequence (the streams concatenated in the order given), broadcastable
+    to (batch, heads, queries, keys); a tensor or a DTensor of the same mesh. Each ring step
+    applies the block of it that matches the key/value block a rank holds
+    (dtorch_hf/ring_mask.py); rows masked at every key give 0, as SDPA does. It gets no
+    gradient."""
     mesh = queries[0].device_mesh
     if queries[0].device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
@@ -75,8 +84,14 @@ def ring_attention(queries, keys, values, mesh_dim: int, scale: float | None = N
     lengths = [q.shape[SEQ] for q in queries]
     blocks = [-(-s // n) for s in lengths]
     q, k, v = (torch.cat([_to_blocks(t, n) for t in ts], dim=3) for ts in (queries, keys, values))
-    biases = _key_biases(lengths, blocks, n, q.shape[0], q.dtype, mesh, q.flatten(0, 1).placements)
+    positions = block_positions(lengths, n)
+    if attn_mask is None:
+        biases, live = _key_biases(positions, q.shape[0], q.dtype, mesh, q.flatten(0, 1).placements), None
+    else:
+        biases, live = mask_biases(attn_mask, positions, q)
     out = _RingAttention.apply(q, k, v, biases, scale)
+    if live is not None:
+        out = torch.where(live, out, 0.0)  # rows with nothing to attend to: SDPA's 0
     return [_from_blocks(o, s) for o, s in zip(out.split(blocks, dim=3), lengths)]
 
 
@@ -96,16 +111,16 @@ def _from_blocks(x, length: int):
     return F.pad(x, (0, 0, 0, 0, 0, length - x.shape[SEQ]))
 
 
-def _key_biases(lengths, blocks, n, batch, dtype, mesh, placements) -> list | None:
+def _key_biases(positions, batch, dtype, mesh, placements) -> list | None:
     """Per ring step, the additive key bias (batch * n, 1, 1, keys) of the key blocks each rank
     holds then (0 on real keys, the dtype's minimum on padding; finite, so a block of padding
     alone gives a log-sum-exp that the merge weighs to zero), laid out as the kernels' leading
-    dim (``placements``); None where nothing is padded."""
-    valid = torch.cat([
-        torch.stack([torch.arange(b) < chunk_extent(s, n, i).length for i in range(n)])
-        for s, b in zip(lengths, blocks)], dim=1)
+    dim (``placements``); None where nothing is padded. ``positions``: ring_mask.block_positions.
+    Built on the controller: it depends on the shapes alone (a constant under dt.compile)."""
+    valid = positions >= 0
     if bool(valid.all()):
         return None
+    n = valid.shape[0]
     bias = torch.zeros(valid.shape, dtype=dtype).masked_fill(~valid, torch.finfo(dtype).min)
     where = [Shard(0) if p == Shard(0) else Replicate() for p in placements]
     out = []

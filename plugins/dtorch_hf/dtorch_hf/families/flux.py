@@ -98,8 +98,8 @@ def _joint_attention(attn, streams: list, image_rotary_emb, attention_mask=None)
     head shards, the joint sequence is whole on every rank (its concatenation is local), and
     each stream's output goes back to its sequence shards."""
     ring_dim = ring_mesh_dim(attn, streams[-1][0])
-    if ring_dim is not None and attention_mask is None:
-        return _ring_flux(streams, image_rotary_emb, ring_dim)
+    if ring_dim is not None:
+        return _ring_flux(streams, image_rotary_emb, ring_dim, attention_mask)
     seq_sharded = [bool(_sp_dims(q)) and Shard(SEQ) in q.placements for q, _, _ in streams]
     moved = [tuple(_move(t, SEQ, HEADS) for t in stream) for stream in streams]
     lengths = [q.shape[SEQ] for q, _, _ in moved]
@@ -149,9 +149,10 @@ class DtorchFluxAttnProcessor:
         return out, enc
 
 
-def _ring_flux(streams: list, image_rotary_emb, ring_dim) -> list:
+def _ring_flux(streams: list, image_rotary_emb, ring_dim, attention_mask=None) -> list:
     """The joint attention as ring attention: each stream stays on its sequence shards (RoPE
-    applied per stream with its part of the joint sequence's rotary table: text first)."""
+    applied per stream with its part of the joint sequence's rotary table: text first; the
+    mask, over the joint sequence, is cut into blocks by the ring)."""
     if image_rotary_emb is not None:
         from diffusers.models.embeddings import apply_rotary_emb
 
@@ -161,7 +162,7 @@ def _ring_flux(streams: list, image_rotary_emb, ring_dim) -> list:
             start += q.shape[SEQ]
             rotated.append((apply_rotary_emb(q, part, sequence_dim=1), apply_rotary_emb(k, part, sequence_dim=1), v))
         streams = rotated
-    return ring_attention(*(list(ts) for ts in zip(*streams)), ring_dim)
+    return ring_attention(*(list(ts) for ts in zip(*streams)), ring_dim, attn_mask=attention_mask)
 
 
 def _two_stream_single_block(block):
@@ -174,11 +175,13 @@ def _two_stream_single_block(block):
     original = block.forward
 
     def forward(hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
-        if not _sp_dims(hidden_states) or joint_attention_kwargs:
+        kwargs = joint_attention_kwargs or {}
+        if not _sp_dims(hidden_states) or set(kwargs) - {"attention_mask"}:
             return original(hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
         streams = (encoder_hidden_states, hidden_states)
         normed = [block.norm(x, emb=temb) for x in streams]
-        attended = block.attn(hidden_states=normed[1][0], image_rotary_emb=image_rotary_emb, text_stream=normed[0][0])
+        attended = block.attn(hidden_states=normed[1][0], image_rotary_emb=image_rotary_emb, text_stream=normed[0][0],
+                              attention_mask=kwargs.get("attention_mask"))
         outs = []
         for x, (n, gate), a in zip(streams, normed, attended):
             h = torch.cat([a, block.act_mlp(block.proj_mlp(n))], dim=2)
