@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import dtorch_core as dt
 from dtorch_core.placement import Replicate, Shard
 
-from .ring_mask import block_positions, mask_biases
+from .ring_mask import RingMask, block_positions
 
 aten = torch.ops.aten
 SP_MODE_ATTR = "dtorch_sp_mode"
@@ -71,7 +71,8 @@ def ring_attention(queries, keys, values, mesh_dim: int, scale: float | None = N
 
     ``attn_mask``: as scaled_dot_product_attention's (boolean, True = attend, or additive
     float), over the joint sequence (the streams concatenated in the order given), broadcastable
-    to (batch, heads, queries, keys); a tensor or a DTensor of the same mesh. Each ring step
+    to (batch, heads, queries, keys); a tensor, a DTensor of the same mesh, or either wrapped in
+    a :class:`~dtorch_hf.ring_mask.RingMask` (laid out once for several calls). Each ring step
     applies the block of it that matches the key/value block a rank holds
     (dtorch_hf/ring_mask.py); rows masked at every key give 0, as SDPA does. It gets no
     gradient."""
@@ -84,11 +85,12 @@ def ring_attention(queries, keys, values, mesh_dim: int, scale: float | None = N
     lengths = [q.shape[SEQ] for q in queries]
     blocks = [-(-s // n) for s in lengths]
     q, k, v = (torch.cat([_to_blocks(t, n) for t in ts], dim=3) for ts in (queries, keys, values))
-    positions = block_positions(lengths, n)
     if attn_mask is None:
-        biases, live = _key_biases(positions, q.shape[0], q.dtype, mesh, q.flatten(0, 1).placements), None
+        biases = _key_biases(block_positions(lengths, n), q.shape[0], q.dtype, mesh, q.flatten(0, 1).placements)
+        live = None
     else:
-        biases, live = mask_biases(attn_mask, positions, q)
+        mask = attn_mask if isinstance(attn_mask, RingMask) else RingMask(attn_mask)
+        biases, live = mask.biases(lengths, q)
     out = _RingAttention.apply(q, k, v, biases, scale)
     if live is not None:
         out = torch.where(live, out, 0.0)  # rows with nothing to attend to: SDPA's 0

@@ -45,7 +45,26 @@ def block_positions(lengths, n: int) -> torch.Tensor:
     return torch.cat(columns, dim=1)
 
 
-def mask_biases(mask, positions: torch.Tensor, q) -> tuple[list, object]:
+class RingMask:
+    """An attention mask for ring attention, laid out (:func:`lay_out_mask`) once per layout of
+    the queries it meets and then reused. A model passes one mask to each of its attention calls
+    (Flux: every block, over the same streams), so wrapping it once per model call (the Flux
+    family's entry hook does) lays it out once per call instead of once per block. It lives as
+    long as the call's arguments: nothing outlives the call, and a mask changed between calls is
+    laid out anew."""
+
+    def __init__(self, mask):
+        self.mask = mask
+        self._laid_out = {}
+
+    def biases(self, lengths, q) -> tuple[list, object]:
+        key = (tuple(lengths), tuple(q.shape), tuple(q.placements), q.dtype, q.device_mesh)
+        if key not in self._laid_out:
+            self._laid_out[key] = lay_out_mask(self.mask, block_positions(lengths, q.shape[1]), q)
+        return self._laid_out[key]
+
+
+def lay_out_mask(mask, positions: torch.Tensor, q) -> tuple[list, object]:
     """Per ring step the additive bias (batch * n, heads or 1, queries or 1, keys) of the key
     block each rank holds then, in ``q``'s dtype and laid out as the kernels' inputs; and
     ``live`` (batch, n, heads or 1, queries or 1, 1), False on dead rows. ``q``: the query

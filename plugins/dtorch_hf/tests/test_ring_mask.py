@@ -20,6 +20,7 @@ from diffusers import FluxTransformer2DModel  # noqa: E402
 from diffusers.utils import logging as diffusers_logging  # noqa: E402
 
 import test_flux  # noqa: E402
+from dtorch_hf import ring_mask  # noqa: E402
 from dtorch_hf.ring import ring_attention  # noqa: E402
 from hf_testing import rel_err  # noqa: E402
 from test_ring import TP_KINDS, _as_leaves, _attention_comms  # noqa: E402
@@ -251,8 +252,11 @@ FLUX_CASES = {"16img+5txt": (4, 4, 5), "15img+7txt": (3, 5, 7)}
 @pytest.mark.parametrize("mask_name", sorted(FLUX_MASKS))
 @pytest.mark.parametrize("case", sorted(FLUX_CASES))
 @pytest.mark.parametrize("mesh_name", ["sp4", "tp2xsp2", "cfg2xsp2"])
-def test_flux_with_a_mask_runs_the_ring(session, saved_flux, mesh_name, case, mask_name):
+def test_flux_with_a_mask_runs_the_ring(session, saved_flux, monkeypatch, mesh_name, case, mask_name):
     mesh = _mesh(mesh_name)
+    layouts = []
+    real_lay_out = ring_mask.lay_out_mask
+    monkeypatch.setattr(ring_mask, "lay_out_mask", lambda *a: layouts.append(1) or real_lay_out(*a))
     ref = FluxTransformer2DModel.from_pretrained(saved_flux)
     model = FluxTransformer2DModel.from_pretrained(saved_flux)
     dtorch_hf.parallelize(model, mesh, sp_mode="ring")
@@ -266,6 +270,7 @@ def test_flux_with_a_mask_runs_the_ring(session, saved_flux, mesh_name, case, ma
         got = model(**leaves, joint_attention_kwargs=dict(kwargs)).sample
     want = ref(**ref_inputs, joint_attention_kwargs=dict(kwargs)).sample
     assert rel_err(got, want) <= 1e-4
+    assert len(layouts) == 1  # laid out once per model call, for both blocks
     kinds = _attention_comms(comm)
     sp = mesh.size(mesh.mesh_dim_names.index("sp"))
     # one double- and one single-stream attention, each a ring of sp - 1 K/V shifts: the mask

@@ -39,6 +39,7 @@ from dtorch_core.placement import Shard
 from ..batch import lay_out
 from ..family import ModelFamily
 from ..ring import ring_attention, ring_mesh_dim
+from ..ring_mask import RingMask
 
 # the inputs with a batch dim, split over "cfg" and "dp" where they enter the model
 BATCH_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance")
@@ -100,6 +101,8 @@ def _joint_attention(attn, streams: list, image_rotary_emb, attention_mask=None)
     ring_dim = ring_mesh_dim(attn, streams[-1][0])
     if ring_dim is not None:
         return _ring_flux(streams, image_rotary_emb, ring_dim, attention_mask)
+    if isinstance(attention_mask, RingMask):
+        attention_mask = attention_mask.mask
     seq_sharded = [bool(_sp_dims(q)) and Shard(SEQ) in q.placements for q, _, _ in streams]
     moved = [tuple(_move(t, SEQ, HEADS) for t in stream) for stream in streams]
     lengths = [q.shape[SEQ] for q, _, _ in moved]
@@ -194,7 +197,9 @@ def _two_stream_single_block(block):
 
 def _sequence_shard_inputs(model):
     """A forward pre-hook laying ``hidden_states`` and ``encoder_hidden_states`` out as
-    Shard(1) on the mesh's "sp" dim (read from the model's DTensor parameters at call time)."""
+    Shard(1) on the mesh's "sp" dim (read from the model's DTensor parameters at call time), and
+    wrapping ``joint_attention_kwargs``' attention mask in a RingMask, so that ring attention
+    lays it out once per call, not once per block (Ulysses unwraps it)."""
 
     def hook(module, args, kwargs):
         mesh, dim = sp_mesh_dim(module.x_embedder.weight)
@@ -213,6 +218,10 @@ def _sequence_shard_inputs(model):
             kwargs["encoder_hidden_states"] = shard(kwargs["encoder_hidden_states"])
         elif len(args) > 1:
             args = (args[0], shard(args[1])) + tuple(args[2:])
+        attention_kwargs = kwargs.get("joint_attention_kwargs") or {}
+        if isinstance(attention_kwargs.get("attention_mask"), torch.Tensor):
+            kwargs["joint_attention_kwargs"] = dict(attention_kwargs,
+                                                    attention_mask=RingMask(attention_kwargs["attention_mask"]))
         return args, kwargs
 
     return hook
