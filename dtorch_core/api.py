@@ -19,6 +19,7 @@ from .ir.instructions import Collective
 from .logging import ensure_configured
 from .mesh import DeviceMesh, register_root, root_coordinate
 from .placement import Partial, Replicate, Shard, refuse_torch_mesh
+from .planner import cache as plan_cache
 from .planner import gathers as _gathers
 from .planner.dispatch import dispatch
 from .planner.factories import factory
@@ -133,7 +134,7 @@ def set_strict(strict: bool = True, *, gathers: bool | None = None) -> None:
     session = current_session()
     session.strict = strict
     _gathers.set_refuse(session, strict if gathers is None else gathers)
-    session.plans.clear()
+    plan_cache.clear(session)
 
 
 def init_device_mesh(device_type: str, mesh_shape, *, mesh_dim_names=None, ranks=None) -> DeviceMesh:

@@ -27,6 +27,7 @@ from . import optim_replay
 from .api import distribute_tensor
 from .errors import CaptureError, GuardError
 from .controller.session import current_session
+from .ir.instructions import Number
 from .ir.program import Program, Recording, build_program, first_difference
 from .placement import Replicate
 from .planner.source import format_source
@@ -51,14 +52,18 @@ def _describe(session):
         if define is None:
             return type(ins).__name__ + (f" {ins.kind}" if hasattr(ins, "kind") else "")
         where = f" at {format_source(ins.source)}" if getattr(ins, "source", None) else ""
-        return f"{define.op_name}{_args_text(define)}{where}"
+        return f"{define.op_name}{_args_text(define, getattr(ins, 'numbers', ()))}{where}"
 
     return describe
 
 
-def _args_text(define) -> str:
-    args = ", ".join(repr(a) for a in define.args)
-    kwargs = ", ".join(f"{k}={v!r}" for k, v in define.kwargs.items())
+def _args_text(define, numbers: tuple = ()) -> str:
+    """The definition's arguments, with the values of its Number placeholders that a Call brought."""
+    def show(a):
+        return repr(numbers[a.index] if type(a) is Number and a.index < len(numbers) else a)
+
+    args = ", ".join(show(a) for a in define.args)
+    kwargs = ", ".join(f"{k}={show(v)}" for k, v in define.kwargs.items())
     return f"({', '.join(x for x in (args, kwargs) if x)})"
 
 
@@ -226,7 +231,7 @@ class CompiledFunction:
             if entry[0] == "call":
                 define = session.plan_names.get(entry[1])
                 where = f" at {format_source(entry[4])}" if entry[4] else ""
-                return f"{define.op_name}{_args_text(define)}{where}" if define else f"plan {entry[1]}"
+                return f"{define.op_name}{_args_text(define, entry[6])}{where}" if define else f"plan {entry[1]}"
             return f"{entry[0]} {entry[1]}"
 
         raise CaptureError(

@@ -23,7 +23,8 @@ namespace {
 constexpr uint8_t NONE = 0xC0, INT8 = 0xC4, INT16 = 0xC5, INT32 = 0xC6, INT64 = 0xC7, STR32 = 0xCA,
                   REF8 = 0xCB, REF32 = 0xCC, TUPLE32 = 0xCE, ARRAY_I32 = 0xDA, ARRAY_I64 = 0xDB,
                   MEMO_TUPLE = 0xDD;
-constexpr int CALL_FIELDS = 5;  // plan_id, inputs, outputs, source, seed (ir/instructions.py)
+constexpr uint8_t FLOAT64 = 0xC8, TUPLE = 0x80;
+constexpr int CALL_FIELDS = 6;  // plan_id, inputs, outputs, source, seed, numbers (ir/instructions.py)
 
 // The byte offsets of Call's slots, read once from its member descriptors; none when Call is not a
 // slotted class (then every Call is left to Python).
@@ -32,7 +33,7 @@ Py_ssize_t call_offsets[CALL_FIELDS];
 bool call_slotted = false;
 
 bool find_offsets(PyObject *type) {
-    static const char *names[CALL_FIELDS] = {"plan_id", "inputs", "outputs", "source", "seed"};
+    static const char *names[CALL_FIELDS] = {"plan_id", "inputs", "outputs", "source", "seed", "numbers"};
     for (int i = 0; i < CALL_FIELDS; ++i)
         if ((call_offsets[i] = slot_offset(type, names[i])) < 0) return false;
     return true;
@@ -207,6 +208,10 @@ int write_call(std::string &out, PyObject *call, PyObject *prefix, PyObject *mem
     }
     if (!source_writable(f[3])) return 0;
     if (f[4] != Py_None && !exact_int(f[4], &seed)) return 0;
+    // numbers: a tuple of fewer than 16 floats (`8n` then `c8` and 8 bytes each), as encode.py writes it
+    if (!PyTuple_CheckExact(f[5]) || PyTuple_GET_SIZE(f[5]) >= 16) return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(f[5]); ++i)
+        if (!PyFloat_CheckExact(PyTuple_GET_ITEM(f[5], i))) return 0;
 
     out.append(PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix));
     write_int(out, plan_id);
@@ -217,6 +222,8 @@ int write_call(std::string &out, PyObject *call, PyObject *prefix, PyObject *mem
     if (write_source(out, f[3], memo) < 0) return -1;
     if (f[4] == Py_None) out.push_back((char)NONE);
     else write_int(out, seed);
+    out.push_back((char)(TUPLE | PyTuple_GET_SIZE(f[5])));
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(f[5]); ++i) put(out, FLOAT64, PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(f[5], i)));
     return 1;
 }
 

@@ -11,8 +11,9 @@
 // that moves data, plain tensors, a closed session, inputs of several sessions, a shadowed emit
 // while dt.compile records) goes to the Python dispatcher, which builds, runs or raises exactly
 // as before; so results, errors and traces are the Python path's. Beside it: handle.cpp (the
-// Handle type), user_source.cpp (the op's source line), key_hash.h (the key's hash) and
-// encode_calls.cpp (the wire encoder's Calls and Deletes).
+// Handle type), user_source.cpp (the op's source line), key_hash.h (the key's hash),
+// number_key.cpp (the keys of ops whose floats are keyed by type, their values going with the
+// Call) and encode_calls.cpp (the wire encoder's Calls and Deletes).
 #include <Python.h>
 #include <structmember.h>
 #include <nanobind/nanobind.h>
@@ -20,6 +21,7 @@
 #include "encode_calls.h"
 #include "handle.h"
 #include "key_hash.h"
+#include "number_key.h"
 #include "ref.h"
 #include "user_source.h"
 #include "slots.h"
@@ -46,7 +48,7 @@ struct Config {
     // slots read and written by offset (-1: not a slot; then the attribute path is taken)
     Py_ssize_t spec_hash = -1;        // TensorSpec._attrs_cached_hash (attrs' cache_hash)
     Py_ssize_t spec_wrapper = -1;     // TensorSpec._native_wrapper
-    Py_ssize_t call_slots[5] = {-1, -1, -1, -1, -1};  // Call's plan_id, inputs, outputs, source, seed
+    Py_ssize_t call_slots[6] = {-1, -1, -1, -1, -1, -1};  // Call's plan_id, inputs, outputs, source, seed, numbers
     bool call_slotted = false;
     bool known_hash = false;          // key hashes computed here equal Python's (checked at configure)
     bool ready = false;
@@ -68,7 +70,7 @@ Py_hash_t spec_hash(PyObject *spec) {
 // Interned attribute names.
 PyObject *s_spec, *s_handle, *s_view, *s_session, *s_tid, *s_closed, *s_plans, *s_fast, *s_run,
     *s_pending, *s_flush_at, *s_flush, *s_emit, *s_track_source, *s_next_seed, *s_tid_counter,
-    *s_dict, *s_append, *s_plan_id, *s_inputs, *s_outputs, *s_source, *s_seed, *s_view_state;
+    *s_dict, *s_append, *s_plan_id, *s_inputs, *s_outputs, *s_source, *s_seed, *s_numbers, *s_view_state;
 
 PyObject *intern(const char *name) {
     PyObject *s = PyUnicode_InternFromString(name);
@@ -76,8 +78,6 @@ PyObject *intern(const char *name) {
     return s;
 }
 
-
-enum class Key { ok, python, error };
 
 // The cache key of `x` (dispatch.py's _key_of): DTensor -> its spec (and `x` joins `inputs`),
 // tuple/list -> tuple of keys, float/int/bool -> (type, value), any other non-tensor -> itself;
@@ -156,8 +156,8 @@ PyObject *make_call(PyObject *const *values) {
     Ref obj(cfg.call_slotted ? type->tp_alloc(type, 0)
                              : PyBaseObject_Type.tp_new(type, cfg.empty_tuple, nullptr));
     if (!obj) return nullptr;
-    static PyObject *const *names[5] = {&s_plan_id, &s_inputs, &s_outputs, &s_source, &s_seed};
-    for (int i = 0; i < 5; ++i) {
+    static PyObject *const *names[6] = {&s_plan_id, &s_inputs, &s_outputs, &s_source, &s_seed, &s_numbers};
+    for (int i = 0; i < 6; ++i) {
         if (cfg.call_slotted) slot_set(obj.p, cfg.call_slots[i], values[i]);
         else if (PyObject_GenericSetAttr(obj.p, *names[i], values[i]) < 0) return nullptr;
     }
@@ -210,7 +210,7 @@ PyObject *python_path(PyObject *func, PyObject *args, PyObject *kwargs) {
 }
 
 // The simple plan's work (DirectPlan._run_simple); nullptr with no error set: take the Python path.
-PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs) {
+PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs, PyObject *numbers) {
     // fast = (plan_id, outs, seeded, view_kind, structure) (DirectPlan._fast_form): per flat
     // output (spec, view, shape, stride, dtype, device), None, or (size,); structure 0: the one
     // tensor, 1: a tuple, 2: a list
@@ -294,7 +294,7 @@ PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs) {
     if (!source) return nullptr;
     Ref seed(seeded ? PyObject_CallMethodNoArgs(session, s_next_seed) : (Py_INCREF(Py_None), Py_None));
     if (!seed) return nullptr;
-    PyObject *call_values[5] = {plan_id, tids.p, out_tids.p, source.p, seed.p};
+    PyObject *call_values[6] = {plan_id, tids.p, out_tids.p, source.p, seed.p, numbers};
     Ref call(make_call(call_values));
     if (!call) return nullptr;
 
@@ -362,9 +362,15 @@ PyObject *torch_dispatch(PyObject *, PyObject *const *argv, Py_ssize_t nargs, Py
 
     Ref inputs(PyList_New(0));
     if (!inputs) return nullptr;
+    PyObject *positions = number_positions(func);  // borrowed: None, or where floats are keyed by type
+    if (!positions) return nullptr;
+    Ref numbers(positions != Py_None ? PyList_New(0) : nullptr);  // their values, for the Call
+    if (positions != Py_None && !numbers) return nullptr;
     PyObject *argkey = nullptr;
     Py_hash_t arghash = -1, valhash = -1, namehash = -1;
-    Key k = key_of(args, inputs.p, &argkey, &arghash);
+    Key k = numbers ? numbered_key(key_of, args, nullptr, PyTuple_GET_ITEM(positions, 0), inputs.p, numbers.p, &argkey,
+                                   &arghash)
+                    : key_of(args, inputs.p, &argkey, &arghash);
     if (k == Key::error) return nullptr;
     if (k == Key::python) return python_path(func, args, kwargs);
     Ref argkey_ref(argkey);
@@ -382,7 +388,9 @@ PyObject *torch_dispatch(PyObject *, PyObject *const *argv, Py_ssize_t nargs, Py
         Ref name_tuple(PyList_AsTuple(names.p));
         if (!value_tuple || !name_tuple) return nullptr;
         PyObject *valkey = nullptr;
-        k = key_of(value_tuple.p, inputs.p, &valkey, &valhash);
+        k = numbers ? numbered_key(key_of, value_tuple.p, name_tuple.p, PyTuple_GET_ITEM(positions, 1), inputs.p,
+                                   numbers.p, &valkey, &valhash)
+                    : key_of(value_tuple.p, inputs.p, &valkey, &valhash);
         if (k == Key::error) return nullptr;
         if (k == Key::python) return python_path(func, args, kwargs);
         Ref valkey_ref(valkey);
@@ -418,7 +426,10 @@ PyObject *torch_dispatch(PyObject *, PyObject *const *argv, Py_ssize_t nargs, Py
     }
     Ref fast_ref(fast);
     if (fast && fast != Py_None) {
-        PyObject *r = run_simple(session.p, fast, inputs.p);
+        Ref number_tuple(numbers && PyList_GET_SIZE(numbers.p) ? PyList_AsTuple(numbers.p)
+                                                                : (Py_INCREF(cfg.empty_tuple), cfg.empty_tuple));
+        if (!number_tuple) return nullptr;
+        PyObject *r = run_simple(session.p, fast, inputs.p, number_tuple.p);
         if (r || PyErr_Occurred()) return r;
         return python_path(func, args, kwargs);
     }
@@ -448,18 +459,19 @@ NB_MODULE(_fastpath, m) {
     s_emit = intern("emit"); s_track_source = intern("track_source"); s_next_seed = intern("next_seed");
     s_tid_counter = intern("_tid"); s_dict = intern("__dict__"); s_append = intern("append");
     s_plan_id = intern("plan_id"); s_inputs = intern("inputs"); s_outputs = intern("outputs");
-    s_source = intern("source"); s_seed = intern("seed");
+    s_source = intern("source"); s_seed = intern("seed"); s_numbers = intern("numbers");
     s_view_state = intern("_view_state");
 
     m.def("configure", [](nb::object dtensor, nb::object tensor, nb::object direct_plan, nb::object call,
                           nb::object make_wrapper, nb::object fallback, nb::dict internal_code, nb::tuple prefixes,
-                          nb::object spec, nb::object hash_sample) {
+                          nb::object spec, nb::object number_positions, nb::object number_key, nb::object hash_sample) {
         PyObject *objs[] = {dtensor.ptr(), tensor.ptr(), direct_plan.ptr(), call.ptr(), make_wrapper.ptr(),
                             fallback.ptr(), internal_code.ptr(), prefixes.ptr(), spec.ptr()};
         for (PyObject *o : objs) Py_INCREF(o);
         cfg.dtensor = objs[0]; cfg.tensor = objs[1]; cfg.direct_plan = objs[2]; cfg.call = objs[3];
         cfg.make_wrapper = objs[4]; cfg.fallback = objs[5]; cfg.internal_code = objs[6]; cfg.prefixes = objs[7];
         cfg.spec = objs[8];
+        if (!configure_number_key(number_positions.ptr(), number_key.ptr())) throw nb::python_error();
         if (!configure_user_source(cfg.internal_code, cfg.prefixes)) throw nb::python_error();
         cfg.wrapper_kwnames = Py_BuildValue("(ssss)", "strides", "dtype", "device", "requires_grad");
         cfg.empty_tuple = PyTuple_New(0);
@@ -468,9 +480,9 @@ NB_MODULE(_fastpath, m) {
         if (!cfg.wrapper_kwnames || !cfg.empty_tuple || !cfg.empty_dict) throw nb::python_error();
         cfg.spec_hash = slot_offset(cfg.spec, "_attrs_cached_hash");
         cfg.spec_wrapper = slot_offset(cfg.spec, "_native_wrapper");
-        static const char *call_fields[5] = {"plan_id", "inputs", "outputs", "source", "seed"};
+        static const char *call_fields[6] = {"plan_id", "inputs", "outputs", "source", "seed", "numbers"};
         cfg.call_slotted = true;
-        for (int i = 0; i < 5; ++i)
+        for (int i = 0; i < 6; ++i)
             if ((cfg.call_slots[i] = slot_offset(cfg.call, call_fields[i])) < 0) cfg.call_slotted = false;
         // the key hash of this file against hash() on a key of every kind key_of makes
         Py_hash_t mine = generic_hash(hash_sample.ptr()), python = PyObject_Hash(hash_sample.ptr());

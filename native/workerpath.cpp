@@ -32,7 +32,7 @@ struct Config {
     PyTypeObject *failure = nullptr;     // dtorch_core.ir.instructions.WorkerFailure
     PyObject *tensor = nullptr;          // torch.Tensor
     // byte offsets of the slotted fields read per op (attrs classes use __slots__)
-    Py_ssize_t plan_id = -1, inputs = -1, outputs = -1, source = -1, seed = -1, native = -1;
+    Py_ssize_t plan_id = -1, inputs = -1, outputs = -1, source = -1, seed = -1, numbers = -1, native = -1;
     bool ready = false;
 };
 Config cfg;
@@ -65,15 +65,15 @@ void set_call_class(nb::handle call) {
     auto *call_t = (PyTypeObject *)call.ptr();
     if (cfg.call == call_t) return;
     if (cfg.call) throw nb::value_error("dtorch_core._workerpath: another Call class was configured already");
-    Py_ssize_t offsets[5] = {slot_offset(call_t, "plan_id"), slot_offset(call_t, "inputs"),
+    Py_ssize_t offsets[6] = {slot_offset(call_t, "plan_id"), slot_offset(call_t, "inputs"),
                              slot_offset(call_t, "outputs"), slot_offset(call_t, "source"),
-                             slot_offset(call_t, "seed")};
+                             slot_offset(call_t, "seed"), slot_offset(call_t, "numbers")};
     for (Py_ssize_t o : offsets)
         if (o < 0) throw nb::python_error();
     Py_INCREF(call_t);
     cfg.call = call_t;
     cfg.plan_id = offsets[0]; cfg.inputs = offsets[1]; cfg.outputs = offsets[2]; cfg.source = offsets[3];
-    cfg.seed = offsets[4];
+    cfg.seed = offsets[4]; cfg.numbers = offsets[5];
 }
 
 // A plan's call, ready to fill: the vectorcall arguments with a hole per tensor input (and one
@@ -87,6 +87,8 @@ struct TemplateObject {
     Py_ssize_t seed_at; // position of the seed keyword's value in argv, or -1
     Py_ssize_t needs;   // inputs a Call must have (1 + the largest slot index)
     std::vector<std::pair<Py_ssize_t, Py_ssize_t>> *holes;  // (argv position, input index)
+    std::vector<std::pair<Py_ssize_t, Py_ssize_t>> *number_holes;  // (argv position, index in Call.numbers)
+    Py_ssize_t needs_numbers;  // numbers a Call must bring (1 + the largest number index)
 };
 PyTypeObject *template_type = nullptr;
 
@@ -97,13 +99,16 @@ void template_dealloc(PyObject *self) {
     Py_CLEAR(t->kwnames);
     delete t->holes;
     t->holes = nullptr;
+    delete t->number_holes;
+    t->number_holes = nullptr;
     PyTypeObject *tp = Py_TYPE(self);
     tp->tp_free(self);
     Py_DECREF(tp);
 }
 
 // Template(fn, argv, holes, kwnames, seeded): `argv` the positional arguments then the keyword
-// values (holes hold anything), `holes` a tuple of (argv position, input index) pairs, `kwnames`
+// values (holes hold anything), `holes` a tuple of (argv position, input index) pairs (an index
+// -1 - k: the Call's k-th number, planner/numbers.py), `kwnames`
 // a tuple of str (may be empty); with `seeded` the seed is passed as the last keyword, `seed`.
 PyObject *template_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *fn, *argv, *holes, *kwnames;
@@ -126,7 +131,8 @@ PyObject *template_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
         return nullptr;
     }
     auto *holes_vec = new std::vector<std::pair<Py_ssize_t, Py_ssize_t>>();
-    Py_ssize_t needs = 0;
+    auto *numbers_vec = new std::vector<std::pair<Py_ssize_t, Py_ssize_t>>();
+    Py_ssize_t needs = 0, needs_numbers = 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(holes); ++i) {
         PyObject *pair = PyTuple_GET_ITEM(holes, i);
         Py_ssize_t at = -1, index = -1;
@@ -134,18 +140,26 @@ PyObject *template_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
             at = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 0));
             index = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 1));
         }
-        if (PyErr_Occurred() || at < 0 || at >= n || index < 0) {
+        if (PyErr_Occurred() || at < 0 || at >= n || index < -PY_SSIZE_T_MAX) {
             delete holes_vec;
+            delete numbers_vec;
             PyErr_Clear();
-            PyErr_SetString(PyExc_ValueError, "Template: holes are (argv position, input index >= 0) pairs");
+            PyErr_SetString(PyExc_ValueError, "Template: holes are (argv position, input index or -1 - number index) pairs");
             return nullptr;
+        }
+        if (index < 0) {
+            numbers_vec->emplace_back(at, -1 - index);
+            if (-index > needs_numbers) needs_numbers = -index;
+            continue;
         }
         holes_vec->emplace_back(at, index);
         if (index + 1 > needs) needs = index + 1;
     }
     auto *t = (TemplateObject *)type->tp_alloc(type, 0);
-    if (!t) { delete holes_vec; return nullptr; }
+    if (!t) { delete holes_vec; delete numbers_vec; return nullptr; }
     t->holes = holes_vec;
+    t->number_holes = numbers_vec;
+    t->needs_numbers = needs_numbers;
     Py_INCREF(fn); t->fn = fn;
     Py_INCREF(argv); t->argv = argv;
     PyObject *names_all = kwnames;
@@ -290,6 +304,12 @@ Step run_call(PyObject *ins, PyObject *store, PyObject *plans, PyObject *streams
     auto *t = (TemplateObject *)native;
     Py_ssize_t n_in = PyTuple_GET_SIZE(inputs);
     if (t->needs > n_in) return Step::python;  // Python's bind raises IndexError: a kernel failure there
+    PyObject *numbers = nullptr;
+    if (t->needs_numbers) {
+        numbers = slot(ins, cfg.numbers);
+        if (!numbers || !PyTuple_CheckExact(numbers) || PyTuple_GET_SIZE(numbers) < t->needs_numbers)
+            return Step::python;  // as for missing inputs
+    }
 
     PyObject *small[16];
     std::vector<PyObject *> big;
@@ -335,6 +355,7 @@ Step run_call(PyObject *ins, PyObject *store, PyObject *plans, PyObject *streams
     }
     for (Py_ssize_t i = 0; i < n; ++i) argv[i] = PyTuple_GET_ITEM(t->argv, i);
     for (auto [at, index] : *t->holes) argv[at] = vals[index];
+    for (auto [at, index] : *t->number_holes) argv[at] = PyTuple_GET_ITEM(numbers, index);
     if (t->seed_at >= 0) argv[t->seed_at] = seed;
     // the call holds its own references: the store keeps the inputs, the plan the template
     Py_INCREF(native);
@@ -408,9 +429,9 @@ PyMethodDef run_calls_def = {"run_calls", (PyCFunction)(void (*)(void))run_calls
 // ---------------------------------------------------------------------------------------------
 // read_calls: the wire decoder's Call records (dtorch_core/ir/wire/decode.py, docs/wire-format.md)
 // ---------------------------------------------------------------------------------------------
-// It reads only Calls in the forms the encoder writes — `f3 05`, an int plan id, tensor-id tuples
+// It reads only Calls in the forms the encoder writes — `f3 06`, an int plan id, tensor-id tuples
 // packed (`da`/`db`) or empty, a source that is None, a memo reference or a new memo tuple of
-// str/int/None, a seed that is None or an int — and stops at the first byte it does not read that
+// str/int/None, a seed that is None or an int, numbers that are a short tuple of floats — and stops at the first byte it does not read that
 // way. The Python decoder then goes on from the start of that record, so every WireError (and its
 // offset) is the Python decoder's own; the memo and the container allowance ("room") are left as
 // they were at that record's start.
@@ -547,12 +568,34 @@ struct Reader {
         return t;
     }
 
+    // a Call's numbers: a short tuple (`8n`, n < 16) of floats (`c8` and 8 bytes each); a
+    // non-empty one is a container (room)
+    PyObject *read_numbers() {
+        if (!has(1) || (body[p] & 0xF0) != 0x80) return nullptr;
+        Py_ssize_t n = body[p] & 0x0F;
+        if (!has(1 + 9 * n) || (n && room < 1)) return nullptr;
+        for (Py_ssize_t i = 0; i < n; ++i)
+            if (body[p + 1 + 9 * i] != 0xC8) return nullptr;
+        PyObject *t = PyTuple_New(n);
+        if (!t) return nullptr;
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            double v;
+            memcpy(&v, body + p + 2 + 9 * i, 8);
+            PyObject *o = PyFloat_FromDouble(v);
+            if (!o) { Py_DECREF(t); return nullptr; }
+            PyTuple_SET_ITEM(t, i, o);
+        }
+        if (n) room -= 1;
+        p += 1 + 9 * n;
+        return t;
+    }
+
     // one Call record at p, or nullptr (p, memo and room then are whatever it reached)
     PyObject *read_call() {
-        if (!has(2) || body[p] != 0xF3 || body[p + 1] != 5 || room < 1) return nullptr;
+        if (!has(2) || body[p] != 0xF3 || body[p + 1] != 6 || room < 1) return nullptr;
         room -= 1;
         p += 2;
-        PyObject *fields[5] = {nullptr, nullptr, nullptr, nullptr, nullptr};
+        PyObject *fields[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
         fields[0] = read_int();
         if (fields[0]) fields[1] = read_ids();
         if (fields[1]) fields[2] = read_ids();
@@ -566,13 +609,14 @@ struct Reader {
                 fields[4] = read_int();
             }
         }
-        PyObject *call = fields[4] ? PyBaseObject_Type.tp_new(cfg.call, empty_tuple, nullptr) : nullptr;
+        if (fields[4]) fields[5] = read_numbers();
+        PyObject *call = fields[5] ? PyBaseObject_Type.tp_new(cfg.call, empty_tuple, nullptr) : nullptr;
         if (!call) {
             for (PyObject *f : fields) Py_XDECREF(f);
             return nullptr;
         }
-        Py_ssize_t offsets[5] = {cfg.plan_id, cfg.inputs, cfg.outputs, cfg.source, cfg.seed};
-        for (int i = 0; i < 5; ++i)
+        Py_ssize_t offsets[6] = {cfg.plan_id, cfg.inputs, cfg.outputs, cfg.source, cfg.seed, cfg.numbers};
+        for (int i = 0; i < 6; ++i)
             *reinterpret_cast<PyObject **>(reinterpret_cast<char *>(call) + offsets[i]) = fields[i];
         return call;
     }

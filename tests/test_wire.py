@@ -211,6 +211,7 @@ def test_every_instruction_class_has_a_stable_code():
         "Slot": 0, "DefineMesh": 1, "DefinePlan": 2, "Call": 3, "Collective": 4, "Put": 5,
         "Delete": 6, "Fetch": 7, "Stats": 8, "Reply": 9, "WorkerFailure": 10,
         "DefineProgram": 11, "RunProgram": 12, "DropProgram": 13, "MergedAllReduce": 14, "Constant": 15,
+        "Number": 16, "DropPlans": 17,
     }
     assert {cls.__name__: info.code for cls, info in wire._CLASSES.items()} == expected  # never renumber
     codes = [code for code, _ in wire._DTYPE_TABLE]
@@ -590,7 +591,7 @@ def test_kind_must_match_the_content():
         (b"\xda\x03\x01\x00\x00\x00", ["runs past the end of the body"]),
         (b"\xdb\x01\x00", ["runs past the end of the body"]),
         (b"\x91\xda\x02\x00", ["runs past the end of the body"]),
-        (b"\xf3\x05\x01\xda\x05\x00", ["runs past the end of the body"]),
+        (b"\xf3\x06\x01\xda\x05\x00", ["runs past the end of the body"]),
         (b"\xdd\x05\x01", ["tuple of 5 values runs past"]),
         (b"\x92\x01\xde", ["unknown type tag 0xde", "offset 18"]),
         (b"\xcf\xff\xff\xff\xff\x00", ["list of 4294967295 values runs past"]),
@@ -609,13 +610,13 @@ def test_kind_must_match_the_content():
         (b"\x92\x01\xc5\x00", ["runs past the end of the body"]),
         (b"\x01\x02", ["1 bytes of trailing garbage", "offset 17"]),
         (b"\xff\x03\x01\x02\x03", ["Constant with 3 fields, expected 2"]),  # code 15: every short code is taken
-        (b"\xd9\x10\x00\x01\x00", ["unknown class code 16"]),
+        (b"\xd9\x12\x00\x01\x00", ["unknown class code 18"]),
         (b"\xd9\x00\x01\x01\x00", ["unknown class code 256"]),
-        (b"\xf3\x02\x01\x80", ["Call with 2 fields, expected 5"]),
+        (b"\xf3\x02\x01\x80", ["Call with 2 fields, expected 6"]),
         (b"\xf0\x00", ["Slot with 0 fields"]),
         (b"\xf0\x01\xa1x", ["Slot.index is a str"]),
-        (b"\xf3\x05\xa1x\x80\x80\xc0\xc0", ["Call.plan_id is a str"]),
-        (b"\xf3\x05\x01\x80\x80\xc2\xc0", ["Call.source is a bool"]),
+        (b"\xf3\x06\xa1x\x80\x80\xc0\xc0\x80", ["Call.plan_id is a str"]),
+        (b"\xf3\x06\x01\x80\x80\xc2\xc0\x80", ["Call.source is a bool"]),
         (b"\xf9\x04\x01\x00\xc0\x05", ["Reply.error is a int"]),
         (b"\xe2\x01\x02\x01\x03", ["duplicate dict key 1"]),
         (b"\xe1\x81\x01\x02", ["dict key of type tuple"]),

@@ -15,7 +15,8 @@ import structlog
 import torch
 
 from ..errors import CaptureError, NotInitializedError, WorkerError
-from ..ir.instructions import DefineMesh, DefineProgram, Delete, DropProgram, Fetch, Put, RunProgram, Stats, program_seed
+from ..ir.instructions import (Call, DefineMesh, DefineProgram, Delete, DropProgram, Fetch, Put, RunProgram, Stats,
+                               program_seed)
 from ..ir.program import Program, Recording
 from ..planner.emit import mark_consumed, note_comm
 from ..planner.source import format_source, user_source
@@ -125,6 +126,9 @@ class Session:
         self.plans: dict = {}
         self.plan_names: dict = {}  # plan id -> DefinePlan, for messages about captured steps
         self.pure_plans: set = set()  # plan ids whose calls write only their fresh outputs
+        # program id -> the plan ids its Calls run: the bounded plan cache never drops them
+        # while the program lives (planner/cache.py)
+        self.program_plans: dict = {}
         self.collective_hints = getattr(runner, "collective_hints", False)
         self.view_writes = 0  # in-place writes through views so far (they invalidate moved copies)
         self.consumable = 0  # collectives emitted since the last flush whose source may die first
@@ -344,6 +348,7 @@ class Session:
     def define_program(self, program: Program) -> int:
         """Send ``program`` to the workers; its id for :meth:`run_program`."""
         self._program += 1
+        self.program_plans[self._program] = frozenset(ins.plan_id for ins in program.instructions if type(ins) is Call)
         self.emit(DefineProgram(self._program, program.instructions, program.inputs, program.outputs,
                                 program.fusable, program.constants))
         return self._program
@@ -363,6 +368,7 @@ class Session:
         append, as ``release`` does), which goes with the next batch."""
         if not self.closed:
             self._pending.append(DropProgram(program_id))
+            self.program_plans.pop(program_id, None)
 
     # -- reads ----------------------------------------------------------------------------
     def put(self, shards: dict, mesh) -> int:

@@ -19,6 +19,15 @@ class Slot:
     index: int
 
 
+@attrs.frozen
+class Number:
+    """Placeholder for the ``index``-th entry of a ``Call``'s ``numbers``: a Python number the
+    user passes that changes from call to call (``x * scale``), sent with each Call so that one
+    plan serves every value (see dtorch_core/planner/numbers.py)."""
+
+    index: int
+
+
 def fill_slots(x, values):
     """``x`` with every ``Slot(i)`` (inside tuples and lists too) replaced by ``values[i]``."""
     if type(x) is Slot:
@@ -59,6 +68,7 @@ class Call:
     outputs: tuple  # tensor ids of the flattened outputs (-1: not kept)
     source: tuple | str | None = None  # (file, line) of the user's call
     seed: int | None = None
+    numbers: tuple = ()  # the values of the plan's ``Number`` placeholders, in index order
 
 
 @attrs.frozen
@@ -209,6 +219,14 @@ class RunProgram:
 @attrs.frozen
 class DropProgram:
     program_id: int
+
+
+@attrs.frozen
+class DropPlans:
+    """Forget these plan definitions: the controller's plan cache evicted them (it is bounded)
+    and no Call after this one names them (ids a live captured program calls are never dropped)."""
+
+    plan_ids: tuple
 
 
 VIRTUAL_BASE = 1 << 60

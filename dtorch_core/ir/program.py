@@ -222,7 +222,7 @@ def _signature(body, made) -> tuple:
             continue
         if t is Call:
             sig.append(("call", ins.plan_id, tuple(name(i) for i in ins.inputs),
-                        tuple(-1 if o < 0 else name(o) for o in ins.outputs), ins.source, ins.seed))
+                        tuple(-1 if o < 0 else name(o) for o in ins.outputs), ins.source, ins.seed, ins.numbers))
         elif t is Collective:
             sig.append(("collective", ins.kind, ins.mesh_id, ins.mesh_dim, name(ins.src), name(ins.dst),
                         ins.dim, ins.reduce_op, ins.dim2, ins.offset))

@@ -128,8 +128,10 @@ def global_meta(func, args, kwargs, inputs, mesh):
     return specs, metas, m_args, m_kwargs, out
 
 
-def plan_direct(session, func, args, kwargs, inputs, rule: Rule, mesh, view, *, force_replicate=False):
-    """Choose placements for ``func`` with ``rule``; None if no strategy is valid."""
+def plan_direct(session, func, args, kwargs, inputs, rule: Rule, mesh, view, *, force_replicate=False,
+                numbers: tuple = ()):
+    """Choose placements for ``func`` with ``rule``; None if no strategy is valid. ``numbers``:
+    the arguments each Call brings (kernel_plan)."""
     specs, metas, m_args, m_kwargs, meta_out = global_meta(func, args, kwargs, inputs, mesh)
     flat_out, rebuild = flatten_outputs(meta_out)
     n_in, n_out = len(inputs), len(flat_out)
@@ -147,11 +149,11 @@ def plan_direct(session, func, args, kwargs, inputs, rule: Rule, mesh, view, *, 
         _out_alias(func, n_out, alias_first), tuple(strategies),
         tuple(max(1, s.dtype.itemsize) * math.prod(s.shape) for s in specs), template_args, template_kwargs,
         force_replicate)
-    plan = _choose(session, request, keep_mutated=True)
+    plan = _choose(session, request, keep_mutated=True, numbers=numbers)
     if plan is None and mutated and not force_replicate:
         # no strategy keeps the written inputs where they are (e.g. add_(scalar) on a Partial):
         # redistribute them and let their handles follow
-        plan = _choose(session, request, keep_mutated=False)
+        plan = _choose(session, request, keep_mutated=False, numbers=numbers)
     return plan
 
 
@@ -174,7 +176,7 @@ def _ranked_combinations(req: PlanRequest, keep_mutated: bool) -> list:
     return sorted(itertools.product(*per_dim), key=lambda c: sum(cs[0] for cs in c))[:64]
 
 
-def _choose(session, req: PlanRequest, keep_mutated: bool) -> DirectPlan | None:
+def _choose(session, req: PlanRequest, keep_mutated: bool, numbers: tuple = ()) -> DirectPlan | None:
     func, rule, mesh, inputs = req.func, req.rule, req.mesh, req.inputs
     n_in = len(req.specs)
     for combo in _ranked_combinations(req, keep_mutated):
@@ -216,7 +218,7 @@ def _choose(session, req: PlanRequest, keep_mutated: bool) -> DirectPlan | None:
             moves=moves, out_specs=final_specs,
             out_views=tuple(None if s is None else view_for(s, req.view) for s in out_specs),
             out_alias=req.out_alias, rebuild=req.rebuild, writes=writes,
-            simple=simple, rebind=rebind, view_kind=view_kind,
+            simple=simple, rebind=rebind, view_kind=view_kind, numbers=numbers,
         )
         return GatheringPlan(plan, str(func), lost, mesh) if lost else plan
     return None

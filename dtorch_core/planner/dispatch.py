@@ -3,8 +3,9 @@
 :func:`dispatch` is what ``DTensor.__torch_dispatch__`` calls (installed once at import, see
 ``dtorch_core/__init__``). The cache key is the op plus the input specs and static arguments;
 a hit runs the stored plan (emit redistributions, one ``Call``, wrap fresh handles) without
-touching meta tensors or rules. The session comes from the inputs' handles: a handle belongs to
-the session that made it.
+touching meta tensors or rules. A float that is one of the op's values (planner/numbers.py) is
+keyed by its type only and travels with each Call. The cache is bounded (planner/cache.py). The
+session comes from the inputs' handles: a handle belongs to the session that made it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import torch
 
 from ..errors import OpError, SessionError
 from ..tensor import DTensor
+from .cache import remember
 from .choose import common_mesh, plan_direct
 from .fallback import fallback_plan, run_on_controller
+from .numbers import NUMBER_KEY, number_positions, rule_reads_no_values
 from .plans import FunctionPlan
 
 aten = torch.ops.aten
@@ -27,7 +30,11 @@ _SYNC_OPS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonze
 
 def dispatch(func, args, kwargs):
     inputs: list = []
-    if kwargs:
+    positions = number_positions(func)
+    numbers: tuple = ()
+    if positions is not None:
+        key, numbers = _numbered_key(func, args, kwargs, inputs, positions)
+    elif kwargs:
         key = (func, _key_of(args, inputs), _key_of(tuple(kwargs.values()), inputs), tuple(kwargs))
     else:
         key = (func, _key_of_args(args, inputs))
@@ -39,10 +46,55 @@ def dispatch(func, args, kwargs):
         session_of(func, inputs)  # raises, naming the reason
     plan = session.plans.get(key)
     if plan is None:
-        plan = build_plan(session, func, args, kwargs, inputs)
+        plan = build_plan(session, func, args, kwargs, inputs, numbers)
         if type(plan) is not FunctionPlan or plan.cached:
-            session.plans[key] = plan
+            remember(session, key, plan)
     return plan.run(session, args, kwargs, inputs)
+
+
+def _numbered_key(func, args, kwargs, inputs, positions) -> tuple:
+    """The cache key with each float at one of ``positions`` (number_positions) keyed as
+    NUMBER_KEY, and where those floats are: their argument indices, then their keywords."""
+    indices, names = positions
+    key = []
+    at = []
+    for i, x in enumerate(args):
+        if type(x) is float and i in indices:
+            key.append(NUMBER_KEY)
+            at.append(i)
+        else:
+            key.append(_key_of(x, inputs))
+    if not kwargs:
+        return (func, tuple(key)), tuple(at)
+    values = []
+    for name, x in kwargs.items():
+        if type(x) is float and name in names:
+            values.append(NUMBER_KEY)
+            at.append(name)
+        else:
+            values.append(_key_of(x, inputs))
+    return (func, tuple(key), tuple(values), tuple(kwargs)), tuple(at)
+
+
+def _by_value(func):
+    """The entry of a numbered key whose op's rule may read its numbers after all: each call
+    runs the plan of its key with the values (as an op without numbered positions)."""
+
+    def run(*args, **kwargs):
+        inputs: list = []
+        if kwargs:
+            key = (func, _key_of(args, inputs), _key_of(tuple(kwargs.values()), inputs), tuple(kwargs))
+        else:
+            key = (func, _key_of_args(args, inputs))
+        session = session_of(func, inputs)
+        plan = session.plans.get(key)
+        if plan is None:
+            plan = build_plan(session, func, args, kwargs, inputs)
+            if type(plan) is not FunctionPlan or plan.cached:
+                remember(session, key, plan)
+        return plan.run(session, args, kwargs, inputs)
+
+    return FunctionPlan(run)
 
 
 def dispatch_direct(func, args, kwargs):
@@ -57,7 +109,7 @@ def dispatch_direct(func, args, kwargs):
         plan = None if rule is None else plan_direct(session, func, args, kwargs, inputs, rule, mesh, view)
         if plan is None:
             plan = fallback_plan(session, func)
-        session.plans[key] = plan
+        remember(session, key, plan)
     return plan.run(session, args, kwargs, inputs)
 
 
@@ -112,7 +164,9 @@ def session_of(func, inputs):
     return session
 
 
-def build_plan(session, func, args, kwargs, inputs):
+def build_plan(session, func, args, kwargs, inputs, numbers: tuple = ()):
+    """The plan of this call; ``numbers``: the positions of the floats its key holds by type only
+    (its Calls bring them)."""
     if func in _SYNC_OPS:
         return FunctionPlan(lambda *a, **kw: run_on_controller(func, a, kw))
     decomposition = session.ops.decomposition_for(func)
@@ -123,7 +177,9 @@ def build_plan(session, func, args, kwargs, inputs):
     rule = session.ops.rule_for(func)
     if rule is None:
         return fallback_plan(session, func)
-    plan = plan_direct(session, func, args, kwargs, inputs, rule, mesh, view)
+    if numbers and not rule_reads_no_values(rule):
+        return _by_value(func)
+    plan = plan_direct(session, func, args, kwargs, inputs, rule, mesh, view, numbers=numbers)
     if plan is None:
         return fallback_plan(session, func, "has a sharding rule, but none of its choices fits these inputs")
     return plan

@@ -2,7 +2,8 @@
 
 :func:`install` makes the extension's ``torch_dispatch`` DTensor's ``__torch_dispatch__``. It
 serves a plan-cache hit of a simple plan (no redistribution, one output) without a Python frame:
-the cache key, the output handle (``_fastpath.Handle``: ``tensor.Handle`` in C, which frees its
+the cache key (a numbered op's floats by type, planner/numbers.py, their values into the Call),
+the output handle (``_fastpath.Handle``: ``tensor.Handle`` in C, which frees its
 id as that one does), the ``Call`` and its append to the session's stream, as
 :meth:`DirectPlan._run_simple <dtorch_core.planner.plans.DirectPlan>` does; everything else
 goes to :func:`dtorch_core.planner.dispatch.dispatch`, so results, errors and traces are the
@@ -22,6 +23,7 @@ from ..spec import TensorSpec
 from ..tensor import DTensor
 from . import source
 from .dispatch import dispatch
+from .numbers import NUMBER_KEY, number_positions
 from .plans import DirectPlan
 
 _active: str | None = None  # "native" or "python (why)"
@@ -43,10 +45,11 @@ def install() -> str:
         _active = f"python (dtorch_core._fastpath does not import: {exc})"
         return _active
     # a key of every kind the native key builder makes: it checks its hashes against hash() on it
-    hash_sample = (torch.ops.aten.add.Tensor, ((float, 2.5), (int, -3), (bool, True), ((int, 1 << 70),)),
+    hash_sample = (torch.ops.aten.add.Tensor, ((float, 2.5), (int, -3), (bool, True), ((int, 1 << 70),), NUMBER_KEY),
                    (None, "x", torch.float32, torch.contiguous_format), ("alpha", "out"))
     _fastpath.configure(DTensor, torch.Tensor, DirectPlan, Call, torch.Tensor._make_wrapper_subclass, dispatch,
-                        source._internal_code, (source._PKG_DIR, source._TORCH_DIR, "<"), TensorSpec, hash_sample)
+                        source._internal_code, (source._PKG_DIR, source._TORCH_DIR, "<"), TensorSpec, number_positions,
+                        NUMBER_KEY, hash_sample)
     DTensor.__torch_dispatch__ = classmethod(_fastpath.torch_dispatch)
     set_call_writer(_fastpath.encode_calls, _fastpath.encode_ids)  # batches for the process and remote runners
     _active = "native"

@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from ..errors import OpError, SessionError
-from ..ir.instructions import Call, DefinePlan
+from ..ir.instructions import Call, DefinePlan, Number
 from ..mesh import DeviceMesh
 from ..placement import Replicate
 from ..spec import TensorSpec, canonical_spec, contiguous_stride
@@ -39,6 +39,9 @@ class DirectPlan:
     mesh_id: int
 
     simple: bool = False  # no moves, no plain inputs, no aliases, no None outputs
+    # where each Call's numbers come from (planner/numbers.py), in the order of the definition's
+    # Number placeholders: an int is a positional argument, a str a keyword
+    number_at: tuple = ()
     rebind: tuple = ()  # (input index, spec): written inputs that had to move; their handles follow
     writes: tuple = ()  # input indices the op writes
     view_kind: int = 0  # 0: not a view op; 1: outputs alias input 0; 2: they alias a moved copy
@@ -78,8 +81,9 @@ class DirectPlan:
         return (self.plan_id, tuple(outs), self.seeded, self.view_kind, structure)
 
     def run(self, session, args, kwargs, inputs):
+        numbers = tuple([args[p] if type(p) is int else kwargs[p] for p in self.number_at]) if self.number_at else ()
         if self.simple:
-            return self._run_simple(session, inputs)
+            return self._run_simple(session, inputs, numbers)
         for x in inputs:
             if type(x) is DTensor and x._handle.session is not session:
                 raise mixed_sessions(self.op_name)
@@ -141,6 +145,7 @@ class DirectPlan:
                 tuple(out_tids),
                 user_source() if session.track_source else None,
                 session.next_seed() if self.seeded else None,
+                numbers,
             )
         )
         if temps:
@@ -161,7 +166,7 @@ class DirectPlan:
                 "write to a copy, or redistribute the base so the view needs no data movement"
             )
 
-    def _run_simple(self, session, inputs):
+    def _run_simple(self, session, inputs, numbers):
         tids = tuple([h.tid for x in inputs if (h := x._handle).session is session])
         if len(tids) != len(inputs):
             raise mixed_sessions(self.op_name)
@@ -180,6 +185,7 @@ class DirectPlan:
                 tuple(out_tids),
                 user_source() if session.track_source else None,
                 session.next_seed() if self.seeded else None,
+                numbers,
             )
         )
         return self.rebuild(outs)
@@ -275,14 +281,18 @@ def _autograd_zeros() -> bool:
 def kernel_plan(session, mesh: DeviceMesh, target: str, per_rank: dict, *, op_name: str, pure: bool,
                 seeded: bool = False, moves: tuple | None = None, n_inputs: int = 0, out_specs: tuple = (),
                 out_views: tuple = (), out_alias: tuple | None = None, rebuild: Callable = lambda outs: None,
-                writes: tuple = (), **plan_fields) -> DirectPlan:
+                writes: tuple = (), numbers: tuple = (), **plan_fields) -> DirectPlan:
     """Define worker call ``target`` on ``mesh`` (a root mesh) and return the plan that runs it.
 
     ``per_rank[rank] = (args, kwargs)`` for every rank of the mesh: the first rank's arguments
     are sent once, the others only where they differ (compared with :func:`same_arguments`).
     ``pure``: the call writes only its fresh outputs, so a captured step may drop it when they
-    are unused. The other arguments are :class:`DirectPlan`'s fields.
+    are unused. ``numbers``: the top-level arguments (index or keyword) that each Call brings
+    (planner/numbers.py): the definition holds ``Number(k)`` there. The other arguments are
+    :class:`DirectPlan`'s fields.
     """
+    if numbers:
+        per_rank = {r: _numbered(a, kw, numbers) for r, (a, kw) in per_rank.items()}
     first = mesh.ranks[0]
     base = per_rank[first]
     rank_args = {r: v for r, v in per_rank.items() if r != first and not same_arguments(v, base)}
@@ -293,4 +303,15 @@ def kernel_plan(session, mesh: DeviceMesh, target: str, per_rank: dict, *, op_na
     return DirectPlan(
         plan_id, mesh, moves if moves is not None else ((),) * n_inputs, tuple(out_specs), tuple(out_views),
         tuple(out_alias) if out_alias is not None else (None,) * len(out_specs), rebuild, seeded, mesh_id,
-        writes=tuple(writes), op_name=op_name, **plan_fields)
+        writes=tuple(writes), op_name=op_name, number_at=tuple(numbers), **plan_fields)
+
+
+def _numbered(args: tuple, kwargs: dict, numbers: tuple) -> tuple:
+    """``(args, kwargs)`` with the k-th of ``numbers``' positions holding ``Number(k)``."""
+    args, kwargs = list(args), dict(kwargs)
+    for k, p in enumerate(numbers):
+        if type(p) is int:
+            args[p] = Number(k)
+        else:
+            kwargs[p] = Number(k)
+    return tuple(args), kwargs

@@ -143,7 +143,7 @@ def build_graph(segment: FusedSegment, plans: dict) -> torch.fx.GraphModule | No
         plan = plans.get(call.plan_id)
         if plan is None or plan.overload is None:
             return None  # not on this worker's mesh, or a kernel registered over the aten name
-        args, kwargs = plan.bind([env[tid] for tid in call.inputs])
+        args, kwargs = plan.bind([env[tid] for tid in call.inputs], call.numbers)
         if any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves((args, kwargs))):
             return None  # a constant tensor in the arguments: the graph's code could not spell it
         node = graph.call_function(plan.overload, tuple(args), dict(kwargs))

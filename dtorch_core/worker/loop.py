@@ -25,9 +25,11 @@ from ..ir.instructions import (
     DefinePlan,
     DefineProgram,
     Delete,
+    DropPlans,
     DropProgram,
     Fetch,
     MergedAllReduce,
+    Number,
     Put,
     Reply,
     RunProgram,
@@ -76,22 +78,33 @@ def on_device(x, device: torch.device):
 
 
 def _binder(args, kwargs):
-    """A function vals -> (args, kwargs) with Slots replaced; fast for flat argument lists."""
+    """A function (vals, numbers) -> (args, kwargs) with each Slot replaced by its input and each
+    Number by the Call's number; fast for flat argument lists."""
     nested = any(type(a) in (tuple, list) and _has_slot(a) for a in args) or any(
         _has_slot(v) for v in kwargs.values()
     )
     if not nested:
         positions = [(i, a.index) for i, a in enumerate(args) if type(a) is Slot]
+        numbered = [(i, a.index) for i, a in enumerate(args) if type(a) is Number]
+        named = [(k, v.index) for k, v in kwargs.items() if type(v) is Number]
         base = list(args)
 
-        def bind(vals):
+        def bind(vals, numbers=()):
             a = base.copy()
             for i, j in positions:
                 a[i] = vals[j]
-            return a, dict(kwargs) if kwargs else {}
+            if not numbered and not named:
+                return a, dict(kwargs) if kwargs else {}
+            for i, j in numbered:
+                a[i] = numbers[j]
+            kw = dict(kwargs)
+            for k, j in named:
+                kw[k] = numbers[j]
+            return a, kw
 
         return bind
-    return lambda vals: (fill_slots(args, vals), {k: fill_slots(v, vals) for k, v in kwargs.items()})
+    # numbers are only ever top-level arguments (planner/numbers.py)
+    return lambda vals, numbers=(): (fill_slots(args, vals), {k: fill_slots(v, vals) for k, v in kwargs.items()})
 
 
 def _has_slot(x) -> bool:
@@ -257,6 +270,10 @@ class Worker(WorkerCollectives, WorkerPrograms):
         elif t is DropProgram:
             self.programs.pop(ins.program_id, None)
             self.graphs.pop(ins.program_id, None)
+        elif t is DropPlans:
+            pop = self.plans.pop
+            for plan_id in ins.plan_ids:
+                pop(plan_id, None)
         elif t is Stats:
             self.streams.synchronize()  # a sync point: the device has finished what was issued
             self.reply(Reply(ins.request_id, self.rank, value=self.memory_stats() if ins.memory else None,
@@ -327,7 +344,7 @@ class Worker(WorkerCollectives, WorkerPrograms):
         if self.streams.outstanding:
             self.streams.join_reads(vals)
         try:
-            args, kwargs = plan.bind(vals)
+            args, kwargs = plan.bind(vals, ins.numbers)
             if plan.seeded:
                 kwargs["seed"] = ins.seed
             out = plan.fn(*args, **kwargs)
@@ -411,7 +428,8 @@ class Worker(WorkerCollectives, WorkerPrograms):
                 if ptr not in seen:
                     seen.add(ptr)
                     nbytes += storage.nbytes()
-        stats = {"rank": self.rank, "live_tensors": live, "bytes": nbytes, **self.streams.memory_stats()}
+        stats = {"rank": self.rank, "live_tensors": live, "bytes": nbytes, "plans": len(self.plans),
+                 **self.streams.memory_stats()}
         if self.fused_segments:  # only sessions that fuse see these counters
             stats.update(fused_segments=self.fused_segments, fused_runs=self.fused_runs,
                          fused_fallbacks=self.fused_fallbacks)

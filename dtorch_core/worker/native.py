@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from ..ir.instructions import Call, Slot, WorkerFailure
+from ..ir.instructions import Call, Number, Slot, WorkerFailure
 
 _module = None
 _import_error: str | None = None
@@ -73,7 +73,7 @@ def template(fn, args, kwargs: dict, seeded: bool):
     """The native call of a plan (``fn(*args, **kwargs)`` with each top-level ``Slot`` filled,
     plus ``seed=`` when ``seeded``), or None where the Python binder must do it: a Slot inside a
     list or tuple or among the keyword arguments, a keyword that is not a str, or ``seed`` given
-    twice."""
+    twice. A top-level ``Number`` (positional or keyword) is filled from the Call's ``numbers``."""
     if _module is None:
         return None
     if type(args) not in (tuple, list) or type(kwargs) is not dict:
@@ -88,6 +88,11 @@ def template(fn, args, kwargs: dict, seeded: bool):
                 return None
             holes.append((i, a.index))
             argv.append(None)
+        elif type(a) is Number:
+            if type(a.index) is not int or a.index < 0:
+                return None
+            holes.append((i, -1 - a.index))  # the Call's numbers[index]
+            argv.append(None)
         elif _holds_slot(a):
             return None
         else:
@@ -95,6 +100,12 @@ def template(fn, args, kwargs: dict, seeded: bool):
     for v in kwargs.values():
         if type(v) is Slot or _holds_slot(v):
             return None
+        if type(v) is Number:
+            if type(v.index) is not int or v.index < 0:
+                return None
+            holes.append((len(argv), -1 - v.index))
+            argv.append(None)
+            continue
         argv.append(v)
     if seeded:
         argv.append(None)

@@ -17,8 +17,8 @@ import torch
 from .. import instructions as _ins
 
 MAGIC = b"DW"
-VERSION = 6  # 2: DefineProgram.fusable; 3: Collective/MergedAllReduce shapes and dtypes; 4: Collective.offset;
-# 5: DefineProgram.constants and Constant; 6: Collective.consume
+VERSION = 7  # 2: DefineProgram.fusable; 3: Collective/MergedAllReduce shapes and dtypes; 4: Collective.offset;
+# 5: DefineProgram.constants and Constant; 6: Collective.consume; 7: Call.numbers, Number, DropPlans
 KIND_VALUE = 0  # any supported value (control messages)
 KIND_BATCH = 1  # a list of instructions
 KIND_REPLY = 2  # a Reply
@@ -58,6 +58,8 @@ _CLASS_TABLE = (
     (13, "DropProgram"),
     (14, "MergedAllReduce"),
     (15, "Constant"),
+    (16, "Number"),
+    (17, "DropPlans"),
 )
 
 # Field types checked on decode come from each class's annotations; ``Any`` and unknown names
@@ -216,4 +218,4 @@ def _class_infos():
 _CLASSES = _class_infos()
 _CLASS_BY_CODE = {info.code: info for info in _CLASSES.values()}
 # what a batch may contain: every instruction class (not the reply-side ones or Slot)
-_INSTRUCTION_TYPES = frozenset(c for c in _CLASSES if c not in (_ins.Slot, _ins.Reply, _ins.WorkerFailure))
+_INSTRUCTION_TYPES = frozenset(c for c in _CLASSES if c not in (_ins.Slot, _ins.Number, _ins.Reply, _ins.WorkerFailure))

@@ -55,7 +55,7 @@ _write_ids = None
 
 
 # the fields the native writers know; a class that gains a field is written in Python until they do
-_NATIVE_FIELDS = {_CALL: ("plan_id", "inputs", "outputs", "source", "seed"), _DELETE: ("tids",)}
+_NATIVE_FIELDS = {_CALL: ("plan_id", "inputs", "outputs", "source", "seed", "numbers"), _DELETE: ("tids",)}
 
 
 def set_call_writer(writer, ids_writer=None) -> None:

@@ -1,0 +1,88 @@
+"""The bound on the plan cache (``session.plans``): beyond :data:`LIMIT` entries the oldest go.
+
+Every entry that holds worker plans costs memory on every worker for as long as it is kept, and
+a workload whose keys never repeat (shapes or numbers that change every call) would add entries
+without end. :func:`remember` stores an entry and, past the limit, evicts the oldest quarter
+(insertion order: a hit moves nothing, so the hot path pays nothing for the bound); a workload
+whose working set fits keeps every entry, and an evicted entry that comes back is planned again.
+The workers are told to forget the evicted plans (``DropPlans``, after every Call that names them
+in the stream). An entry is kept when dropping it could leave a Call without its plan:
+
+- while a capture records (its program will call the plans it records);
+- plans a live captured program calls (``session.program_plans``);
+- plan objects something else holds too (another cache, a decomposition's closure, a caller
+  about to run it): only an entry whose plans nothing but the cache references goes.
+
+Entries of other kinds than the planner's (an ops module's own plan objects) are never evicted:
+their modules keep them bounded or reuse them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ..ir.instructions import DropPlans
+from .gathers import GatheringPlan
+from .plans import DirectPlan, FunctionPlan
+
+LIMIT = 8192  # entries of session.plans
+# references to a plan that only the cache holds, as sys.getrefcount sees it inside _worker_plans:
+# its holder (the dict, or the wrapper holding it), the local name, getrefcount's argument
+# (tests/test_plan_cache.py checks this on every runner)
+_ONLY_CACHED = 3
+
+
+def remember(session, key, plan) -> None:
+    """``session.plans[key] = plan``, evicting the oldest entries once there are more than LIMIT."""
+    plans = session.plans
+    plans[key] = plan
+    # not while a capture runs, its unrecorded blocks included (``_recorders`` is set for the
+    # whole capture): the program it makes will call the plans it recorded
+    if len(plans) > LIMIT and session._recorders is None:
+        evict(session, len(plans) - LIMIT * 3 // 4)
+
+
+def evict(session, count: int) -> int:
+    """Evict up to ``count`` of the oldest evictable entries; returns how many went."""
+    plans = session.plans
+    pinned = set().union(*session.program_plans.values()) if session.program_plans else set()
+    dropped: list = []
+    gone = 0
+    for key in list(plans):
+        if gone >= count:
+            break
+        ids = _worker_plans(plans[key])
+        if ids is None or not pinned.isdisjoint(ids):
+            continue
+        del plans[key]
+        dropped.extend(ids)
+        gone += 1
+    if dropped:
+        for plan_id in dropped:
+            session.plan_names.pop(plan_id, None)
+            session.pure_plans.discard(plan_id)
+        session.emit(DropPlans(tuple(dropped)))
+    return gone
+
+
+def clear(session) -> None:
+    """Empty the cache (the plans depend on a setting that changed); the workers drop the plans
+    that nothing else holds and no live program calls."""
+    evict(session, len(session.plans))
+    session.plans.clear()
+
+
+def _worker_plans(entry) -> tuple | None:
+    """The worker plan ids ``entry`` owns, or None where it must stay (see the module's notes)."""
+    if sys.getrefcount(entry) > _ONLY_CACHED:
+        return None
+    t = type(entry)
+    if t is FunctionPlan:
+        return ()
+    if t is DirectPlan:
+        return (entry.plan_id,)
+    if t is GatheringPlan:
+        inner = entry.plan
+        if type(inner) is DirectPlan and sys.getrefcount(inner) <= _ONLY_CACHED:
+            return (inner.plan_id,)
+    return None
