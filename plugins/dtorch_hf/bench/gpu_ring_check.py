@@ -10,6 +10,8 @@ On the device, after ``pip install --no-deps --target /tmp/plug plugins/dtorch_h
 in /tmp/site), from /tmp:
     PYTHONPATH=/tmp/plug:/tmp/site:$REPO python3 $REPO/plugins/dtorch_hf/bench/gpu_ring_check.py
 ``--device cpu`` runs the same checks on the CPU kernels (the fallback the tests cover).
+``--mask`` runs the Flux cases with a text padding mask (``joint_attention_kwargs``' boolean
+``attention_mask``, the last 2 text tokens masked as keys; SD3 takes no mask).
 """
 
 from __future__ import annotations
@@ -66,15 +68,28 @@ def rel_err(got, want) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
 
 
-def _plain_grad(cls, path, inputs, dtype, device):
+def text_padding_mask(inputs):
+    """(1, 1, 1, text + image) bool over Flux's joint sequence (text first): the last 2 text
+    tokens masked as keys."""
+    txt, img = inputs["encoder_hidden_states"].shape[1], inputs["hidden_states"].shape[1]
+    mask = torch.ones(1, 1, 1, txt + img, dtype=torch.bool)
+    mask[..., txt - 2:txt] = False
+    return mask
+
+
+def _mask_kwargs(mask, device):
+    return {} if mask is None else {"joint_attention_kwargs": {"attention_mask": mask.to(device)}}
+
+
+def _plain_grad(cls, path, inputs, dtype, device, mask=None):
     ref = cls.from_pretrained(path).to(device, dtype)
     x = {k: (v.detach().to(device, dtype) if k in FLOAT_INPUTS else v.to(device)) for k, v in inputs.items()}
     x["hidden_states"].requires_grad_()
-    ref(**x).sample.sum().backward()
+    ref(**x, **_mask_kwargs(mask, device)).sample.sum().backward()
     return x["hidden_states"].grad
 
 
-def check(cls, path, mesh, inputs, dtype, device, sp_mode="ring") -> tuple[float, float, float | None]:
+def check(cls, path, mesh, inputs, dtype, device, sp_mode="ring", mask=None) -> tuple[float, float, float | None]:
     """(output rel err, hidden_states gradient rel err) of the sp-parallel model against the plain
     one, and for a low-precision dtype the plain model's own gradient error against fp32 (the
     noise floor the parallel model's gradient error is to be read against)."""
@@ -88,8 +103,8 @@ def check(cls, path, mesh, inputs, dtype, device, sp_mode="ring") -> tuple[float
     placed = {k: dt.distribute_tensor(v, mesh, [dt.Replicate()] * mesh.ndim) for k, v in inputs.items()}
     placed["hidden_states"].requires_grad_()
     with dt.debug.comm_mode() as comm:
-        got = model(**placed).sample
-    want = ref(**ref_inputs).sample
+        got = model(**placed, **_mask_kwargs(mask, "cpu")).sample
+    want = ref(**ref_inputs, **_mask_kwargs(mask, device)).sample
     if not isinstance(got, dt.DTensor):
         raise TypeError("the parallel model's output is no DTensor")
     if sp_mode == "ring" and not comm.counts().get("shift"):  # the ring's K/V passes: else attention ran another way
@@ -98,7 +113,7 @@ def check(cls, path, mesh, inputs, dtype, device, sp_mode="ring") -> tuple[float
     want.sum().backward()
     floor = None
     if dtype != torch.float32:
-        floor = rel_err(ref_inputs["hidden_states"].grad, _plain_grad(cls, path, inputs, torch.float32, device))
+        floor = rel_err(ref_inputs["hidden_states"].grad, _plain_grad(cls, path, inputs, torch.float32, device, mask))
     return rel_err(got, want), rel_err(placed["hidden_states"].grad, ref_inputs["hidden_states"].grad), floor
 
 
@@ -107,6 +122,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--sp-mode", default="ring", choices=("ring", "ulysses"),
                         help="ulysses: the same cases through Ulysses, to compare its bf16 errors")
+    parser.add_argument("--mask", action="store_true", help="Flux only, with a text padding attention mask")
     args = parser.parse_args()
     # fp32 compares at 1e-4: no TF32 in the plain model's matmuls and convolutions (thread
     # workers share these flags)
@@ -119,6 +135,8 @@ def main() -> int:
     misses = 0
     with tempfile.TemporaryDirectory() as tmp:
         for family, (config, cases) in FAMILIES.items():
+            if args.mask and family != "flux":
+                continue
             torch.manual_seed(0)
             path = f"{tmp}/{family}"
             classes[family](**config).save_pretrained(path)
@@ -126,10 +144,12 @@ def main() -> int:
                 mesh = dt.init_device_mesh(args.device, shape, mesh_dim_names=names)
                 for dtype_name, (dtype, tolerance) in DTYPES.items():
                     for case, make in cases.items():
-                        label = f"{family} {mesh_name} {dtype_name} {case}"
+                        label = f"{family} {mesh_name} {dtype_name} {case}" + (" masked" if args.mask else "")
+                        inputs = make()
+                        mask = text_padding_mask(inputs) if args.mask else None
                         try:
-                            out_err, grad_err, floor = check(classes[family], path, mesh, make(), dtype,
-                                                             args.device, args.sp_mode)
+                            out_err, grad_err, floor = check(classes[family], path, mesh, inputs, dtype,
+                                                             args.device, args.sp_mode, mask)
                         except Exception as exc:  # noqa: BLE001 - one line per case, then the next case
                             misses += 1
                             print(f"{label}: ERROR {type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
