@@ -12,7 +12,9 @@ the log-sum-exp: :func:`_attend`), merges the partial output with the running on
 log-sum-exp (online softmax, in fp32), and the key/value blocks move one rank round the ring (a
 ``torch.roll`` by one block, which dtorch_core plans as one ``shift`` collective: each rank sends
 one block to its neighbour and receives one). Padded keys are masked with an additive bias;
-padded queries are cropped at the end. Keys and values are never gathered.
+padded queries are cropped at the end. Keys and values are never gathered. An attention mask
+(``attn_mask``) replaces that bias by the mask's block for each step, laid out on the workers
+(dtorch_hf/ring_mask.py); the rows it masks at every key are set to 0 at the end, as SDPA does.
 
 Backward (:class:`_RingAttention`) is the ring again: the key/value blocks travel with their
 gradient accumulators, each step adds the kernel's gradient of the local queries against
