@@ -2,12 +2,14 @@
 
     python bench/scalar_loop.py [--iters 10000] [--runners thread,process] [--world 2]
 
-Per runner and loop, ``y = x * a + b`` on a small DTensor (Shard(0) of a (8 * world, 8) tensor),
-with ``a, b = float(i), 0.5 * i`` (``changing``) or ``a, b = 3.0, 0.5`` (``fixed``), after a
-warm-up of 200 calls of the same loop: the controller's us per call (issue time, then to the
-workers' end), the plan-cache entries (``session.plans``) and worker plans (rank 0's table) the
-loop added, and the controller's RSS growth. Each row ends with its ratio to the fixed loop of
-the same runner, measured in the same run.
+Per runner and loop, ``y = x * a + b`` on a small DTensor (Shard(0) of a (8 * world + 1, 8)
+tensor: uneven shards), with ``a, b = float(i), 0.5 * i`` (``changing``), ``a, b = 3.0, 0.5``
+(``fixed``) or ``a, b = i + 2, 1`` (``int``: ints stay in the plan-cache key, so every call is
+planned again; the row shows the cache's bound, planner/cache.py), after a warm-up of 200 calls
+of the same loop: the controller's us per call (issue time, then to the workers' end), the
+plan-cache entries (``session.plans``) and worker plans (rank 0's table) the loop added, and the
+controller's RSS growth. Each row ends with its ratio to the fixed loop of the same runner,
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ def _worker_plans(session) -> int:
     return session.memory_stats()[0]["plans"]
 
 
-def run_loop(session, x, iters: int, changing: bool) -> dict:
-    def numbers(i):
-        return (float(i), 0.5 * i) if changing else (3.0, 0.5)
+LOOPS = {"fixed": lambda i: (3.0, 0.5), "changing": lambda i: (float(i), 0.5 * i), "int": lambda i: (i + 2, 1)}
+
+
+def run_loop(session, x, iters: int, loop: str) -> dict:
+    numbers = LOOPS[loop]
 
     for i in range(200):  # warm-up: the fixed loop's plans are made here
         a, b = numbers(-1 - i)
@@ -65,6 +69,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10_000)
     ap.add_argument("--runners", default="thread,process")
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--loops", default="fixed,changing,int")
     args = ap.parse_args()
     from dtorch_core.planner import native_dispatch
     print(f"torch {torch.__version__}, world {args.world}, {args.iters} calls per loop "
@@ -75,9 +80,10 @@ def main() -> None:
         session = dt.init(world_size=args.world, runner=runner)
         mesh = dt.init_device_mesh("cpu", (args.world,))
         x = dt.distribute_tensor(torch.randn(8 * args.world + 1, 8), mesh, [dt.Shard(0)])  # uneven shards
-        fixed = run_loop(session, x, args.iters, changing=False)
-        changing = run_loop(session, x, args.iters, changing=True)
-        for name, r in (("fixed", fixed), ("changing", changing)):
+        results = {name: run_loop(session, x, args.iters, name) for name in ["fixed"] + [
+            n for n in args.loops.split(",") if n != "fixed"]}
+        fixed = results["fixed"]
+        for name, r in results.items():
             print(f"{runner:8} {name:9} {r['issue_us']:9.1f} {r['e2e_us']:8.1f} {r['plans']:7d} "
                   f"{r['worker_plans']:8d} {r['rss_mib']:9.1f} {r['issue_us'] / fixed['issue_us']:11.2f}  "
                   f"{'ok' if r['values_ok'] else 'WRONG'}")
