@@ -59,7 +59,11 @@ def _numbered_key(func, args, kwargs, inputs, positions) -> tuple:
     key = []
     at = []
     for i, x in enumerate(args):
-        if type(x) is float and i in indices:
+        t = type(x)
+        if t is DTensor:  # inline, as in _key_of_args: the common case without a call
+            inputs.append(x)
+            key.append(x._spec)
+        elif t is float and i in indices:
             key.append(NUMBER_KEY)
             at.append(i)
         else:
