@@ -55,6 +55,9 @@ def test_a_number_plan_runs_as_torch_on_both_worker_paths():
     from .test_native_worker import run_on
 
     store = run_on(False, [setup, batch])[0]
+    if _native():  # the numbered plans have native calls: their Calls do not take the Python path
+        worker = run_on(True, [setup])[3]
+        assert all(worker.plans[p].native is not None for p in (1, 2, 3))
     t12 = torch.add(a * 0.25 * 4.0, 3.0, alpha=0.5)
     for s in [store] + [r[0] for r in runs]:
         assert torch.equal(s[12], t12)
