@@ -235,3 +235,24 @@ def test_replay_with_a_number_passed_as_an_argument_is_torchs(mesh1d):
 
     for scale in (0.5, 2.0, 0.5, 3.5):
         assert_close(step(x, scale).full_tensor(), full * scale + 1.0)
+
+
+def test_a_cache_full_of_kept_entries_is_not_scanned_on_every_insert(mesh1d, small_cache, monkeypatch):
+    x = distribute(torch.arange(WORLD_SIZE + 1, dtype=torch.int64), mesh1d, [S(0)])
+    session = current_session()
+    held = []
+    for i in range(small_cache * 2):  # every plan held elsewhere too: none can go
+        x * (i + 2)
+        held.append(next(reversed(session.plans.values())))
+    passes = []
+    evict = cache.evict
+    monkeypatch.setattr(cache, "evict", lambda s, n: passes.append(n) or evict(s, n))
+    for i in range(small_cache):
+        x * (1000 + i)
+        held.append(next(reversed(session.plans.values())))
+    # a pass per LIMIT // 4 new entries, not one per insert
+    assert 1 <= len(passes) <= small_cache // 4 + 1, passes
+    held.clear()
+    for i in range(small_cache * 2):
+        assert torch.equal((x * (5000 + i)).full_tensor(), torch.arange(WORLD_SIZE + 1) * (5000 + i))
+    assert len(session.plans) <= small_cache  # evictable again once released

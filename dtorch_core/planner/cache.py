@@ -20,6 +20,7 @@ their modules keep them bounded or reuse them.
 from __future__ import annotations
 
 import sys
+import weakref
 
 from ..ir.instructions import DropPlans
 from .gathers import GatheringPlan
@@ -32,14 +33,21 @@ LIMIT = 8192  # entries of session.plans
 _ONLY_CACHED = 3
 
 
+# session -> entries that stayed in the last eviction beyond its target (kept ones): the next one
+# waits until as many more came, so a cache full of kept entries is not scanned on every insert
+_kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def remember(session, key, plan) -> None:
     """``session.plans[key] = plan``, evicting the oldest entries once there are more than LIMIT."""
     plans = session.plans
     plans[key] = plan
     # not while a capture runs, its unrecorded blocks included (``_recorders`` is set for the
     # whole capture): the program it makes will call the plans it recorded
-    if len(plans) > LIMIT and session._recorders is None:
-        evict(session, len(plans) - LIMIT * 3 // 4)
+    if len(plans) > LIMIT + _kept.get(session, 0) and session._recorders is None:
+        target = LIMIT * 3 // 4
+        evict(session, len(plans) - target)
+        _kept[session] = max(0, len(plans) - target)
 
 
 def evict(session, count: int) -> int:
@@ -70,6 +78,7 @@ def clear(session) -> None:
     that nothing else holds and no live program calls."""
     evict(session, len(session.plans))
     session.plans.clear()
+    _kept.pop(session, None)
 
 
 def _worker_plans(entry) -> tuple | None:
