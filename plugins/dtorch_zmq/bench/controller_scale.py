@@ -65,6 +65,29 @@ def launch(address: str, key: str, world: int, processes: int) -> list[subproces
     return procs
 
 
+def thread_cpu() -> dict[str, int]:
+    """On-CPU nanoseconds of each thread of this process so far (``/proc``'s schedstat: ns, not
+    the 10 ms ticks of ``stat``), keyed by what the thread is: the session's main thread, its
+    flusher, the transport's I/O thread, libzmq's own background threads, or other."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, int] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = names.get(int(tid), comm)
+        role = ("main" if name == "MainThread" else "flusher" if name == "dtorch-flush"
+                else "I/O" if name == "dtorch-zmq-controller" else "libzmq" if comm.startswith("ZMQbg") else "other")
+        out[role] = out.get(role, 0) + ns
+    return out
+
+
 def measure(world: int, ops: int, key: str, processes: int) -> dict:
     address = free_address()
     start = time.perf_counter()
@@ -82,6 +105,7 @@ def measure(world: int, ops: int, key: str, processes: int) -> dict:
         dt.synchronize()
         endpoint = current_session().runner.endpoint
         sent, messages = endpoint.batch_bytes, endpoint.batches_sent
+        threads = thread_cpu()
         cpu, main_cpu, wall = time.process_time(), time.thread_time(), time.perf_counter()
         for _ in range(ops):
             x = x + 1
@@ -90,6 +114,7 @@ def measure(world: int, ops: int, key: str, processes: int) -> dict:
         while endpoint.loop._outbox:  # every message handed to ZMQ: the controller's work is done
             time.sleep(0.0005)
         cpu = time.process_time() - cpu  # not the wait below, when only heartbeats tick
+        threads = {k: v - threads.get(k, 0) for k, v in thread_cpu().items()}
         dt.synchronize()
         wall = time.perf_counter() - wall
         sent = endpoint.batch_bytes - sent
@@ -101,6 +126,7 @@ def measure(world: int, ops: int, key: str, processes: int) -> dict:
     if codes != [0] * len(procs):  # stand-ins starved of their GIL miss the goodbye's grace: say so
         print(f"  (world {world}: stand-in processes exited with {codes}; 3 = a rank still busy 3 s after goodbye)")
     return {"world": world, "nodes": nodes, "start s": started, "ctl CPU us/op": 1e6 * cpu / ops, "main thread us/op": 1e6 * main_cpu / ops,
+            **{f"{k} us/op": v / 1e3 / ops for k, v in sorted(threads.items()) if k != "main"},
             "wall us/op": 1e6 * wall / ops, "B/op": sent / ops, "B/op/node": sent / ops / nodes,
             "ops/batch": ops * nodes / max(1, messages)}
 

@@ -50,11 +50,11 @@ def main() -> int:
     for _ in range(n):
         time.sleep(args.gap_ms / 1000)
         t = time.thread_time_ns()
-        loop.send(zt.Outgoing(identity, [b"h" * 29, payload, b"m" * 32], False))
+        loop.send(zt.Outgoing([(identity, b"h" * 61 + payload)]))
         sender += time.thread_time_ns() - t
     receiver.join(60)
     io = thread_cpu_ns(loop._thread.native_id) - io_start
-    assert len(got) == n and all(bytes(m[1]) == payload for m in got)
+    assert len(got) == n and all(bytes(m[0])[61:] == payload for m in got)
     idle_start = thread_cpu_ns(loop._thread.native_id)
     time.sleep(4.0)
     idle = thread_cpu_ns(loop._thread.native_id) - idle_start

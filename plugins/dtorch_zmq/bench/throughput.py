@@ -87,11 +87,10 @@ def remote_rows(world: int, key: str, batches: int, batch: bytes, count: int, fa
         targets = runner.leaders if fanout else [runner._conns[r] for r in range(world)]
 
         def send(data) -> None:  # what RemoteRunner.submit does after encoding
-            parts = [data]
-            digest = fr.payload_digest(parts)
+            payload = fr.Payload([data])
             for conn in targets:
-                conn.credit.acquire(len(data), runner.timeout, lambda: False)
-                runner.endpoint.send(conn, fr.BATCH, parts, digest=digest)
+                conn.credit.acquire(payload.nbytes, runner.timeout, lambda: False)
+            runner.endpoint.send_to(targets, fr.BATCH, payload)
 
         row = drive(send, lambda r: runner.wait_replies(r, world, 60.0), batches, batch, count)
     finally:

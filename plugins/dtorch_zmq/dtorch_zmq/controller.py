@@ -51,7 +51,7 @@ class ControllerEndpoint:
 
     def __init__(self, address: str, key: bytes, world_size: int, *, on_hello, on_reply, on_lost,
                  on_refused, heartbeat_s: float = 5.0):
-        self._key = key
+        self._mac = fr.Mac(key)
         self._world_size = world_size
         self._on_hello, self._on_reply = on_hello, on_reply
         self._on_lost, self._on_refused = on_lost, on_refused
@@ -80,18 +80,24 @@ class ControllerEndpoint:
         self.loop.start()
 
     # -- sending (any thread) -------------------------------------------------------------
-    def send(self, conn: Connection, kind: int, parts, zero_copy: bool = False, digest: bytes | None = None,
-             wake: bool = True) -> Outgoing:
-        """Queue one message; ``digest``: ``fr.payload_digest(parts)``, when the same parts go to
-        several connections (hashed once); ``wake=False``: the caller calls ``loop.wake()``."""
+    def send(self, conn: Connection, kind: int, parts, wake: bool = True) -> Outgoing:
+        """Queue one message to ``conn``."""
+        return self.send_to([conn], kind, fr.Payload(parts), wake)
+
+    def send_to(self, conns, kind: int, payload: fr.Payload, wake: bool = True) -> Outgoing:
+        """Queue one message to each of ``conns`` (a batch to every node): the payload is
+        prepared once and shared; each connection gets its own head (sequence number, MAC).
+        ``wake=False``: the caller calls ``loop.wake()``."""
         with self._send_lock:
-            seq = conn.send_seq
-            conn.send_seq += 1
-            sealed = fr.seal(self._key, fr.TO_WORKER, kind, seq, conn.nonce, parts, digest)
+            heads = []
+            for conn in conns:
+                seq = conn.send_seq
+                conn.send_seq = seq + 1
+                heads.append((conn.identity, fr.head(self._mac, fr.TO_WORKER, kind, seq, conn.nonce, payload)))
             if kind in (fr.BATCH, fr.NODE_BATCH):
-                self.batch_bytes += sum(memoryview(p).nbytes for p in sealed)
-                self.batches_sent += 1
-            return self.loop.send(Outgoing(conn.identity, sealed, zero_copy), wake)
+                self.batch_bytes += len(heads) * (fr.HEAD_BYTES + payload.nbytes)
+                self.batches_sent += len(heads)
+            return self.loop.send(Outgoing(heads, payload.rest), wake)
 
     # -- receiving (I/O thread) -----------------------------------------------------------
     def _received(self, frames) -> None:
@@ -101,7 +107,7 @@ class ControllerEndpoint:
             if conn is None:
                 self._hello(identity, body)
                 return
-            kind, parts = fr.open_message(self._key, fr.TO_CONTROLLER, body, conn.recv_seq, conn.nonce)
+            kind, parts = fr.open_message(self._mac, fr.TO_CONTROLLER, body, conn.recv_seq, conn.nonce)
         except fr.FrameError as exc:
             self._refuse(identity, body, str(exc), conn)
             return
@@ -110,13 +116,13 @@ class ControllerEndpoint:
         if kind == fr.REPLY:
             self._on_reply(conn, fr.joined(parts))
         elif kind == fr.CREDIT:
-            conn.credit.taken_upto(int.from_bytes(parts[0].bytes, "little"))
+            conn.credit.taken_upto(int.from_bytes(fr.joined(parts), "little"))
         elif kind == fr.LOST:
             self._follower_lost(conn, parts)
 
     def _follower_lost(self, leader: Connection, parts) -> None:
         try:
-            info = json.loads(bytes(parts[0].bytes))
+            info = json.loads(bytes(fr.joined(parts)))
             rank, reason = int(info["rank"]), str(info["reason"])
         except (ValueError, KeyError, TypeError, IndexError):
             rank, reason = -1, ""
@@ -130,11 +136,11 @@ class ControllerEndpoint:
         kind, _, nonce = fr.peek(body)
         if nonce in self._seen_nonces:
             raise fr.FrameError("replayed hello (its connection nonce was used before)")
-        kind, parts = fr.open_message(self._key, fr.TO_CONTROLLER, body, 0, None)
+        kind, parts = fr.open_message(self._mac, fr.TO_CONTROLLER, body, 0, None)
         if kind != fr.HELLO:
             raise fr.FrameError(f"a new connection began with {fr.KIND_NAMES[kind]}, not hello")
         try:
-            info = json.loads(bytes(parts[0].bytes))
+            info = json.loads(bytes(fr.joined(parts)))
             rank, pid, host = int(info["rank"]), int(info["pid"]), str(info["host"])
             node, shm = str(info.get("node") or host), bool(info.get("shm", False))
             native = str(info.get("native", ""))
@@ -159,8 +165,7 @@ class ControllerEndpoint:
     def _refuse(self, identity: bytes, body, reason: str, conn: Connection | None) -> None:
         peer = _peer(body)
         log.warning("refused a frame", peer=peer, reason=reason, rank=None if conn is None else conn.rank)
-        header = fr.HEADER.pack(fr.MAGIC, fr.REFUSED, 0, bytes(16))
-        self.loop.send(Outgoing(identity, [header, reason.encode(), bytes(fr.MAC_BYTES)], False))
+        self.loop.send(Outgoing([(identity, fr.refusal(reason))]))
         if conn is not None:  # its stream cannot be trusted any more
             self._lose(conn, f"it sent a frame that was refused ({reason}) from {peer}")
         self._on_refused(peer, reason)

@@ -69,7 +69,7 @@ class _Follower:
 class NodeLeader:
     """The leader's side: makes the followers' channels, forwards batches, relays what comes up.
 
-    ``send(kind, parts, zero_copy)`` is the leader's own authenticated send to the controller.
+    ``send(kind, parts)`` is the leader's own authenticated send to the controller.
     """
 
     def __init__(self, rank: int, followers: dict, send, heartbeat_s: float, timeout: float, spin_us: float):
@@ -161,7 +161,7 @@ class NodeLeader:
             if head == fanout.CREDIT:
                 self.credit(f.rank, int.from_bytes(msg[1:9], "little"))
                 continue
-            self._send(fr.REPLY, [msg], len(msg) >= fr.ZERO_COPY_BYTES)
+            self._send(fr.REPLY, [msg])
 
     def credit(self, rank: int, taken: int) -> None:
         """Batches ``rank`` has taken; the controller hears the node's minimum when it grows."""
@@ -173,7 +173,7 @@ class NodeLeader:
             if low <= self._reported:
                 return
             self._reported = low
-            self._send(fr.CREDIT, [low.to_bytes(8, "little")], False)
+            self._send(fr.CREDIT, [low.to_bytes(8, "little")])
 
     def lost(self, rank: int, reason: str) -> None:
         f = self.followers.get(rank)
@@ -182,7 +182,7 @@ class NodeLeader:
         f.lost = True
         with self._credit_lock:
             self._taken.pop(rank, None)  # the session fails anyway; do not hold the others back
-        self._send(fr.LOST, [json.dumps({"rank": rank, "reason": reason}).encode()], False)
+        self._send(fr.LOST, [json.dumps({"rank": rank, "reason": reason}).encode()])
 
     # -- the end -------------------------------------------------------------------------------
     def wait_followers(self, timeout: float) -> None:
@@ -232,7 +232,7 @@ class FollowerEndpoint:
         self._thread = threading.Thread(target=self._receive, name=f"dtorch-zmq-down-{rank}", daemon=True)
         self._thread.start()
 
-    def send(self, kind: int, parts, zero_copy: bool = False) -> None:
+    def send(self, kind: int, parts) -> None:
         if kind == fr.REPLY:
             self.up.send(fr.joined(parts))
         elif kind == fr.CREDIT:

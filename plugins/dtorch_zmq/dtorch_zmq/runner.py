@@ -36,7 +36,7 @@ from dtorch_core.controller.session import FlushPolicy
 from dtorch_core.controller.settings import setting
 from dtorch_core.errors import ConfigError, WorkerError, WorkerLostError
 from dtorch_core.ir import wire
-from dtorch_core.ir.instructions import DefinePlan, DefineProgram, Put, Reply
+from dtorch_core.ir.instructions import Reply
 from dtorch_core.runners.base import Runner
 from dtorch_core.runners.process import PROTOCOL, READY, for_rank
 
@@ -213,50 +213,48 @@ class RemoteRunner(Runner):
         if self.leaders is not None:
             return self._submit_per_node(batch)
         shared = None
-        if not any(type(ins) is Put or (type(ins) is DefinePlan and ins.rank_args)
-                   or (type(ins) is DefineProgram and ins.constants) for ins in batch):
-            shared = fr.payload_parts(wire.encode_parts(batch))  # every rank gets the same frames
+        if not has_rank_parts(batch):
+            shared = fr.Payload(encoded_frames(batch))  # every rank gets the same frames
         pending = []
         for rank in range(self.world_size):
-            parts = shared if shared is not None else fr.payload_parts(wire.encode_parts(for_rank(batch, rank)))
+            payload = shared if shared is not None else fr.Payload(encoded_frames(for_rank(batch, rank)))
             conn = self._conns[rank]
-            nbytes = sum(memoryview(p).nbytes for p in parts)
-            if not conn.credit.acquire(nbytes, self.timeout, functools.partial(self._gone, conn)):
+            if not conn.credit.acquire(payload.nbytes, self.timeout, functools.partial(self._gone, conn)):
                 self._lost(conn, f"it took no batch for {self.timeout:g}s (flow-control window full)")
                 break
-            big = len(parts) > 1 or nbytes >= fr.ZERO_COPY_BYTES
-            pending.append(self.endpoint.send(conn, fr.BATCH, parts, zero_copy=big))
+            pending.append(self.endpoint.send_to([conn], fr.BATCH, payload))
         self._wait_sent(pending)
 
     def _submit_per_node(self, batch) -> None:
         """One copy per node: the batch encoded once, its rank parts (if any) to their nodes only."""
-        if not has_rank_parts(batch):
-            parts = encoded_frames(batch)
-            digest = fr.payload_digest(parts)
-            messages = ((leader, fr.BATCH, parts, digest) for leader in self.leaders)
+        if not has_rank_parts(batch):  # one payload for every node: one queued message for all
+            messages = [(self.leaders, fr.BATCH, fr.Payload(encoded_frames(batch)))]
         else:
             common, by_rank = split_batch(batch)
             common = encoded_frames(common)
             ranked = {rank: encoded_frames(part) for rank, part in by_rank.items()}
-            messages = ((leader, fr.NODE_BATCH, node_parts(common, [(r, ranked[r]) for r in (leader.rank,)
-                                                                     + leader.followers if r in ranked]), None)
-                        for leader in self.leaders)
+            messages = [([leader], fr.NODE_BATCH, fr.Payload(node_parts(
+                common, [(r, ranked[r]) for r in (leader.rank,) + leader.followers if r in ranked])))
+                for leader in self.leaders]
         pending = []
         try:
-            for leader, kind, parts, digest in messages:
-                nbytes = sum(memoryview(p).nbytes for p in parts)
-                if not leader.credit.acquire(nbytes, self.timeout, functools.partial(self._gone, leader)):
-                    self._lost(leader, f"its node took no batch for {self.timeout:g}s (flow-control window full)")
+            for leaders, kind, payload in messages:
+                room = []
+                for leader in leaders:
+                    if not leader.credit.acquire(payload.nbytes, self.timeout, functools.partial(self._gone, leader)):
+                        self._lost(leader, f"its node took no batch for {self.timeout:g}s (flow-control window full)")
+                        break
+                    room.append(leader)
+                pending.append(self.endpoint.send_to(room, kind, payload, wake=False))
+                if len(room) < len(leaders):
                     break
-                big = len(parts) > 1 or nbytes >= fr.ZERO_COPY_BYTES
-                pending.append(self.endpoint.send(leader, kind, parts, zero_copy=big, digest=digest, wake=False))
         finally:
             self.endpoint.loop.wake()  # once for the batch's messages to every node
         self._wait_sent(pending)
 
     def _wait_sent(self, pending) -> None:
         for out in pending:  # tensor parts alias the caller's tensors: return once ZMQ let go of them
-            if not out.copy and not out.sent.wait(self.timeout):
+            if out.sent is not None and not out.sent.wait(self.timeout):
                 raise WorkerLostError(f"a batch was not sent within {self.timeout:g}s (the network is stuck)")
         self._raise_if_dead()
 

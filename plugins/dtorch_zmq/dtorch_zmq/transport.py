@@ -7,10 +7,12 @@ marks are off (0) and the ROUTER is mandatory-routing, so ZMQ never drops a mess
 control is explicit instead: a worker reports how many batches it has taken (``CREDIT``) and the
 controller sends at most :data:`WINDOW_BATCHES` batches (and :data:`WINDOW_BYTES`) ahead of it.
 
-Large tensor parts go as frames of their own with ``copy=False, track=True``: the sender keeps
-the buffers referenced until ZMQ's tracker says they are sent (``IOLoop._in_flight``), and
-``send(..., wait_sent=True)`` returns only then, so the memory a tensor part aliases is neither
-freed nor changed while ZMQ still reads it.
+A queued :class:`Outgoing` is one message to each of several peers (a batch to every node): each
+peer's message is its own head frame, then frames shared by all of them. Those shared frames
+(large tensor parts) are ``zmq.Frame`` objects made once, without a copy and tracked: every send
+of one is a reference to the same ZMQ message, and ``Outgoing.sent`` is set once ZMQ has let go
+of all of them (``IOLoop._in_flight``); the runner's ``submit`` returns only then, so the memory a
+tensor part aliases is neither freed nor changed while ZMQ still reads it.
 """
 
 from __future__ import annotations
@@ -28,16 +30,21 @@ PING_EVERY_S = 1.0
 
 
 class Outgoing:
-    """A queued message; ``sent`` is set once ZMQ is done with its buffers."""
+    """Queued messages: ``heads`` is ``[(peer identity or None, head frame), ...]``; each peer gets
+    its head then ``rest``. ``sent`` (only when there is a ``rest``, whose buffers the caller's
+    memory may alias) is set once ZMQ is done with them."""
 
-    __slots__ = ("copy", "frames", "identity", "sent", "tracker")
+    __slots__ = ("heads", "rest", "sent", "trackers")
 
-    def __init__(self, identity, frames, zero_copy: bool):
-        self.identity = identity
-        self.frames = frames
-        self.copy = not zero_copy
-        self.sent = threading.Event()
-        self.tracker = None
+    def __init__(self, heads, rest=()):
+        self.heads = heads
+        self.rest = [zmq.Frame(p, copy=False, track=True) for p in rest]  # one ZMQ message each, for every peer
+        self.trackers = [f.tracker for f in self.rest]
+        self.sent = threading.Event() if rest else None
+
+    def done(self) -> None:
+        if self.sent is not None:
+            self.sent.set()
 
 
 class IOLoop:
@@ -127,30 +134,37 @@ class IOLoop:
         except BaseException as exc:  # noqa: BLE001 - reported to whoever waits on this end
             self.error = exc
             for out in list(self._outbox) + self._in_flight:
-                out.sent.set()
+                out.done()
             if self._on_error is not None:
                 self._on_error(exc)
 
     def _flush_outbox(self) -> None:
+        send = self.sock.send
         while self._outbox:
             out = self._outbox.popleft()
-            head = [out.identity] if out.identity is not None else []
-            try:
-                if out.copy:
-                    self.sock.send_multipart(head + out.frames)
-                    out.sent.set()
-                else:
-                    out.tracker = self.sock.send_multipart(head + out.frames, copy=False, track=True)
-                    self._in_flight.append(out)
-            except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone; the heartbeat reports it
-                out.sent.set()
+            rest = out.rest
+            for identity, head in out.heads:
+                try:
+                    if identity is not None:
+                        send(identity, zmq.SNDMORE)
+                    if not rest:
+                        send(head)
+                        continue
+                    send(head, zmq.SNDMORE)
+                    for frame in rest[:-1]:
+                        send(frame, zmq.SNDMORE, copy=False)
+                    send(rest[-1], copy=False)
+                except zmq.ZMQError:  # EHOSTUNREACH: the peer is gone; the heartbeat reports it
+                    pass
+            if rest:
+                out.rest = None  # ZMQ holds its references; the trackers say when it let go
+                self._in_flight.append(out)
 
     def _reap_sent(self) -> None:
         if self._in_flight:
             still = []
             for out in self._in_flight:
-                if out.tracker.done:
-                    out.frames = None  # ZMQ has let go: so can we
+                if all(t.done for t in out.trackers):
                     out.sent.set()
                 else:
                     still.append(out)
@@ -169,18 +183,27 @@ class Credit:
 
     def acquire(self, nbytes: int, timeout: float, dead) -> bool:
         """Wait (up to ``timeout``) until the worker has room for one more batch; False if not."""
-        deadline = time.monotonic() + timeout
         with self.cond:
-            while (self.sent - self.taken >= WINDOW_BATCHES
-                   or (self._bytes + nbytes > WINDOW_BYTES and self.sent > self.taken)):
+            if not self._full(nbytes):  # the common case: no clock, no wait
+                self._take(nbytes)
+                return True
+            deadline = time.monotonic() + timeout
+            while self._full(nbytes):
                 left = deadline - time.monotonic()
                 if left <= 0 or dead():
                     return False
                 self.cond.wait(min(left, 0.5))
-            self.sent += 1
-            self._sizes.append(nbytes)
-            self._bytes += nbytes
+            self._take(nbytes)
             return True
+
+    def _full(self, nbytes: int) -> bool:
+        return (self.sent - self.taken >= WINDOW_BATCHES
+                or (self._bytes + nbytes > WINDOW_BYTES and self.sent > self.taken))
+
+    def _take(self, nbytes: int) -> None:
+        self.sent += 1
+        self._sizes.append(nbytes)
+        self._bytes += nbytes
 
     def taken_upto(self, count: int) -> None:
         with self.cond:

@@ -88,7 +88,7 @@ class WorkerEndpoint:
 
     def __init__(self, address: str, key: bytes, rank: int, silence_s: float, connect_s: float,
                  node: str | None = None, on_gone=None):
-        self.key = key
+        self.mac = fr.Mac(key)
         self.rank = rank
         self.node = None
         self._on_gone = on_gone or _exit_gone
@@ -115,11 +115,12 @@ class WorkerEndpoint:
         self.send(fr.HELLO, [json.dumps(hello).encode()])  # first: it takes sequence number 0
         self.loop.start()
 
-    def send(self, kind: int, parts, zero_copy: bool = False) -> None:
+    def send(self, kind: int, parts) -> None:
         with self._send_lock:
             seq = self._send_seq
             self._send_seq += 1
-            self.loop.send(Outgoing(None, fr.seal(self.key, fr.TO_CONTROLLER, kind, seq, self.nonce, parts), zero_copy))
+            head, *rest = fr.seal(self.mac, fr.TO_CONTROLLER, kind, seq, self.nonce, parts)
+            self.loop.send(Outgoing([(None, head)], rest))
 
     def credit(self, taken: int) -> None:
         """Tell the controller how many batches this worker has taken (its node's minimum, as leader)."""
@@ -132,9 +133,9 @@ class WorkerEndpoint:
         try:
             kind, _, _ = fr.peek(frames)
             if kind == fr.REFUSED:  # unauthenticated by nature: the controller could not trust us
-                self.inbox.put((fr.REFUSED, bytes(frames[1].bytes).decode(errors="replace")))
+                self.inbox.put((fr.REFUSED, bytes(fr.joined(fr.received_parts(frames))).decode(errors="replace")))
                 return
-            kind, parts = fr.open_message(self.key, fr.TO_WORKER, frames, self._recv_seq, self.nonce)
+            kind, parts = fr.open_message(self.mac, fr.TO_WORKER, frames, self._recv_seq, self.nonce)
         except fr.FrameError as exc:
             _say(f"dtorch worker: ignored a frame from the controller side: {exc}")
             return
