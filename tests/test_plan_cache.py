@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 
+import attrs
+
 import pytest
 import torch
 
@@ -256,3 +258,19 @@ def test_a_cache_full_of_kept_entries_is_not_scanned_on_every_insert(mesh1d, sma
     for i in range(small_cache * 2):
         assert torch.equal((x * (5000 + i)).full_tensor(), torch.arange(WORLD_SIZE + 1) * (5000 + i))
     assert len(session.plans) <= small_cache  # evictable again once released
+
+
+def test_a_rule_that_rewrites_arguments_keeps_its_numbers_in_the_key(mesh1d, monkeypatch):
+    # a rule with a localize may move or change a number per rank: such an op is planned per value
+    session = current_session()
+    op = torch.ops.aten.mul.Tensor
+    rule = session.ops.rule_for(op)
+    monkeypatch.setitem(session.ops.entries, op, attrs.evolve(rule, localize=lambda local: (local.args, local.kwargs)))
+    cache.clear(session)  # plans of the builtin rule go
+    full = torch.randn(WORLD_SIZE + 1, 3)
+    x = distribute(full, mesh1d, [S(0)])
+    x * 0.5
+    before = len(session.plans)
+    for i in range(3):
+        assert_close((x * (1.5 + i)).full_tensor(), full * (1.5 + i))
+    assert len(session.plans) == before + 3  # one plan per value, as before numbers were keyed by type

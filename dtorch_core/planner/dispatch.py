@@ -34,10 +34,8 @@ def dispatch(func, args, kwargs):
     numbers: tuple = ()
     if positions is not None:
         key, numbers = _numbered_key(func, args, kwargs, inputs, positions)
-    elif kwargs:
-        key = (func, _key_of(args, inputs), _key_of(tuple(kwargs.values()), inputs), tuple(kwargs))
     else:
-        key = (func, _key_of_args(args, inputs))
+        key = _key(func, args, kwargs, inputs)
     # the first input's session; the plan checks that every other input has the same one
     # (DirectPlan.run), so the hot path reads each handle once
     first = inputs[0] if inputs else None
@@ -50,6 +48,13 @@ def dispatch(func, args, kwargs):
         if type(plan) is not FunctionPlan or plan.cached:
             remember(session, key, plan)
     return plan.run(session, args, kwargs, inputs)
+
+
+def _key(func, args, kwargs, inputs) -> tuple:
+    """The cache key with every static argument by value."""
+    if kwargs:
+        return (func, _key_of(args, inputs), _key_of(tuple(kwargs.values()), inputs), tuple(kwargs))
+    return (func, _key_of_args(args, inputs))
 
 
 def _numbered_key(func, args, kwargs, inputs, positions) -> tuple:
@@ -86,10 +91,7 @@ def _by_value(func):
 
     def run(*args, **kwargs):
         inputs: list = []
-        if kwargs:
-            key = (func, _key_of(args, inputs), _key_of(tuple(kwargs.values()), inputs), tuple(kwargs))
-        else:
-            key = (func, _key_of_args(args, inputs))
+        key = _key(func, args, kwargs, inputs)
         session = session_of(func, inputs)
         plan = session.plans.get(key)
         if plan is None:
