@@ -364,12 +364,12 @@ PyObject *torch_dispatch(PyObject *, PyObject *const *argv, Py_ssize_t nargs, Py
     if (!inputs) return nullptr;
     PyObject *positions = number_positions(func);  // borrowed: None, or where floats are keyed by type
     if (!positions) return nullptr;
-    Ref numbers(positions != Py_None ? PyList_New(0) : nullptr);  // their values, for the Call
-    if (positions != Py_None && !numbers) return nullptr;
+    bool numbered = positions != Py_None;
+    Ref numbers;  // their values, for the Call (a list made at the first one)
     PyObject *argkey = nullptr;
     Py_hash_t arghash = -1, valhash = -1, namehash = -1;
-    Key k = numbers ? numbered_key(key_of, args, nullptr, PyTuple_GET_ITEM(positions, 0), inputs.p, numbers.p, &argkey,
-                                   &arghash)
+    Key k = numbered ? numbered_key(key_of, args, nullptr, PyTuple_GET_ITEM(positions, 0), inputs.p, &numbers.p,
+                                    &argkey, &arghash)
                     : key_of(args, inputs.p, &argkey, &arghash);
     if (k == Key::error) return nullptr;
     if (k == Key::python) return python_path(func, args, kwargs);
@@ -388,8 +388,8 @@ PyObject *torch_dispatch(PyObject *, PyObject *const *argv, Py_ssize_t nargs, Py
         Ref name_tuple(PyList_AsTuple(names.p));
         if (!value_tuple || !name_tuple) return nullptr;
         PyObject *valkey = nullptr;
-        k = numbers ? numbered_key(key_of, value_tuple.p, name_tuple.p, PyTuple_GET_ITEM(positions, 1), inputs.p,
-                                   numbers.p, &valkey, &valhash)
+        k = numbered ? numbered_key(key_of, value_tuple.p, name_tuple.p, PyTuple_GET_ITEM(positions, 1), inputs.p,
+                                    &numbers.p, &valkey, &valhash)
                     : key_of(value_tuple.p, inputs.p, &valkey, &valhash);
         if (k == Key::error) return nullptr;
         if (k == Key::python) return python_path(func, args, kwargs);
@@ -426,8 +426,7 @@ PyObject *torch_dispatch(PyObject *, PyObject *const *argv, Py_ssize_t nargs, Py
     }
     Ref fast_ref(fast);
     if (fast && fast != Py_None) {
-        Ref number_tuple(numbers && PyList_GET_SIZE(numbers.p) ? PyList_AsTuple(numbers.p)
-                                                                : (Py_INCREF(cfg.empty_tuple), cfg.empty_tuple));
+        Ref number_tuple(numbers ? PyList_AsTuple(numbers.p) : (Py_INCREF(cfg.empty_tuple), cfg.empty_tuple));
         if (!number_tuple) return nullptr;
         PyObject *r = run_simple(session.p, fast, inputs.p, number_tuple.p);
         if (r || PyErr_Occurred()) return r;

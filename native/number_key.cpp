@@ -39,7 +39,7 @@ PyObject *number_positions(PyObject *func) {
     return found;
 }
 
-Key numbered_key(KeyOf key_of, PyObject *items, PyObject *names, PyObject *set, PyObject *inputs, PyObject *numbers,
+Key numbered_key(KeyOf key_of, PyObject *items, PyObject *names, PyObject *set, PyObject *inputs, PyObject **numbers,
                  PyObject **out, Py_hash_t *hash) {
     Py_ssize_t n = PyTuple_GET_SIZE(items);
     Ref tuple(PyTuple_New(n));
@@ -58,7 +58,8 @@ Key numbered_key(KeyOf key_of, PyObject *items, PyObject *names, PyObject *set, 
         PyObject *item = nullptr;
         Py_hash_t lane = -1;
         if (by_type) {
-            if (PyList_Append(numbers, x) < 0) return Key::error;
+            if (!*numbers && !(*numbers = PyList_New(0))) return Key::error;
+            if (PyList_Append(*numbers, x) < 0) return Key::error;
             Py_INCREF(number_key);
             item = number_key;
             lane = number_key_hash;

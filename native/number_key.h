@@ -15,6 +15,7 @@ bool configure_number_key(PyObject *positions_fn, PyObject *number_key);
 PyObject *number_positions(PyObject *func);
 // The key of the values `items` (a tuple) of a numbered op, as dispatch.py's _numbered_key makes
 // it: a float at one of `set`'s positions (its index, or its name in `names` when that is not
-// null) is NUMBER_KEY and joins the list `numbers`; any other value is `key_of`'s.
-Key numbered_key(KeyOf key_of, PyObject *items, PyObject *names, PyObject *set, PyObject *inputs, PyObject *numbers,
+// null) is NUMBER_KEY and joins the list `*numbers` (made at the first, owned by the caller);
+// any other value is `key_of`'s.
+Key numbered_key(KeyOf key_of, PyObject *items, PyObject *names, PyObject *set, PyObject *inputs, PyObject **numbers,
                  PyObject **out, Py_hash_t *hash);

@@ -274,3 +274,23 @@ def test_a_rule_that_rewrites_arguments_keeps_its_numbers_in_the_key(mesh1d, mon
     for i in range(3):
         assert_close((x * (1.5 + i)).full_tensor(), full * (1.5 + i))
     assert len(session.plans) == before + 3  # one plan per value, as before numbers were keyed by type
+
+
+@pytest.mark.skipif(not NATIVE, reason=f"the native hot path is not active: {native_dispatch.active()}")
+def test_the_native_path_sends_the_calls_the_python_path_sends(mesh1d):
+    x = distribute(torch.randn(WORLD_SIZE + 1, 3), mesh1d, [S(0)])
+    session = current_session()
+
+    def ops():
+        torch.clamp(x, min=-0.25, max=0.75)
+        torch.add(x, x, alpha=1.5)
+        x * 2.5 - 1  # a float by type, an int by value
+
+    ops()  # planned here: both paths below hit the same plans
+    seen = []
+    for path in ("native", "python"):
+        with _path(path), session.recording() as rec:
+            ops()
+        seen.append([(c.plan_id, c.numbers) for c in rec.instructions if type(c) is Call])
+    assert seen[0] == seen[1]
+    assert [n for _, n in seen[0]] == [(-0.25, 0.75), (1.5,), (2.5,), ()]
