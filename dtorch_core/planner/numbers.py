@@ -12,7 +12,9 @@ An op qualifies when its rule cannot read the value: the elementwise ops (torch'
 tag, whose rule looks at dtypes and linearity only; not ``masked_fill``, whose rule reads a zero
 fill) and the fills below; and only at arguments typed ``Tensor`` or ``Scalar`` in its schema (a
 ``float`` argument may be structural, as upsample's scale factors are). Ints and bools keep their
-values in the key: an int's value decides whether it fits an integer tensor's dtype at planning.
+values in the key, as before: the numbers that change per step in practice (scales, schedules,
+clamps, learning rates) are floats, and an int that changes every call is still planned per
+value (the cache's bound, planner/cache.py, keeps that from growing without end).
 """
 
 from __future__ import annotations
