@@ -73,7 +73,7 @@ def foreach_decomposition(op, *args, **kwargs):
 def _servable(op, args, kwargs):
     """The session, if the rule serves this call: every list element a DTensor, all on one mesh,
     lists of one length, and no ``scalars`` DTensor (its values would have to be read)."""
-    names = [a.name for a in op._schema.arguments]
+    names = _argument_names(op)
     mesh = session = None
     length = None
     for i, v in enumerate(list(args) + list(kwargs.values())):
@@ -97,15 +97,20 @@ def _servable(op, args, kwargs):
                 return None
             if mesh is None:
                 mesh, session = t._spec.mesh, t._handle.session
-            elif t._spec.mesh != mesh:
+            elif t._spec.mesh is not mesh and t._spec.mesh != mesh:
                 return None
     return session if mesh is not None else None
+
+
+@functools.cache
+def _argument_names(op) -> list:
+    return [a.name for a in op._schema.arguments]
 
 
 def _scalar_tensor_as_list(op, args, kwargs):
     """A plain ``Tensor scalars`` (one value per element) as the ``ScalarList`` overload: the
     foreach kernels read it on the host."""
-    names = [a.name for a in op._schema.arguments]
+    names = _argument_names(op)
     if "scalars" not in names or op._overloadname != "Tensor":
         return op, args, kwargs
     i = names.index("scalars")

@@ -95,7 +95,14 @@ def _key(x, inputs: list, numbers: list):
         inputs.append(x)
         return x._spec
     if t is tuple or t is list:
-        return tuple([_key(a, inputs, numbers) for a in x])
+        key = []
+        for a in x:  # the elements of torch.optim's lists: DTensors, inline
+            if type(a) is DTensor:
+                inputs.append(a)
+                key.append(a._spec)
+            else:
+                key.append(_key(a, inputs, numbers))
+        return tuple(key)
     if t in _NUMBERS:
         numbers.append(repr(x))  # exact for floats (-0.0 and 0.0 differ)
         return t

@@ -53,10 +53,12 @@ class DirectPlan:
     # (spec, view, shape, stride, dtype, device), None (a None output) or (size,) (a size the
     # controller knows); structure 0: the one tensor, 1: a tuple, 2: a list
     fast: tuple | None = attrs.field(default=None, init=False, eq=False, repr=False)
+    moving: bool = attrs.field(default=False, init=False, eq=False, repr=False)  # any input redistributed
 
     def __attrs_post_init__(self):
         self.out_specs = tuple(None if s is None else canonical_spec(s) for s in self.out_specs)
         self.fast = self._fast_form()
+        self.moving = any(self.moves)
 
     def _fast_form(self) -> tuple | None:
         if self.writes or self.rebind or self.view_kind not in (0, 1) or any(self.moves) or not self.moves \
@@ -84,6 +86,10 @@ class DirectPlan:
         numbers = tuple([args[p] if type(p) is int else kwargs[p] for p in self.number_at]) if self.number_at else ()
         if self.simple:
             return self._run_simple(session, inputs, numbers)
+        if self.writes and not self.rebind and not self.moving:
+            out = self._run_writes_in_place(session, inputs, numbers)
+            if out is not _GENERAL:
+                return out
         for x in inputs:
             if type(x) is DTensor and x._handle.session is not session:
                 raise mixed_sessions(self.op_name)
@@ -121,33 +127,7 @@ class DirectPlan:
             temps.remove(tids[i])
             x._handle = Handle(tids[i], session)
             x._spec = spec
-        outs = []
-        out_tids = []
-        for spec, view, alias in zip(self.out_specs, self.out_views, self.out_alias):
-            if alias is not None:
-                outs.append(inputs[alias])
-                out_tids.append(tids[alias])
-            elif spec is None:
-                outs.append(None)
-                out_tids.append(-1)
-            else:
-                tid = session.new_tid()
-                outs.append(DTensor._make(spec, view, tid, session))
-                out_tids.append(tid)
-        if self.view_kind:
-            for o in outs:
-                if o is not None:
-                    o._view_state = self.view_kind
-        session.emit(
-            Call(
-                self.plan_id,
-                tuple(tids),
-                tuple(out_tids),
-                user_source() if session.track_source else None,
-                session.next_seed() if self.seeded else None,
-                numbers,
-            )
-        )
+        outs = self._call(session, inputs, tids, numbers)
         if temps:
             session.release_many(temps)
         return self.rebuild(outs)
@@ -165,6 +145,45 @@ class DirectPlan:
                 f"the tensor it views ({tuple(x.shape)} {list(x.placements)}); clone() the view to "
                 "write to a copy, or redistribute the base so the view needs no data movement"
             )
+
+    def _run_writes_in_place(self, session, inputs, numbers):
+        # a write that moves nothing (torch.optim's foreach steps over every parameter): the
+        # general path's checks and outputs in one pass per input; _GENERAL where an input is
+        # no DTensor of this session (the general path sends plain ones and names the error)
+        tids = [h.tid for x in inputs if type(x) is DTensor and (h := x._handle).session is session]
+        if len(tids) != len(inputs):
+            return _GENERAL
+        for i in self.writes:
+            attributes = inputs[i].__dict__
+            if attributes.get("_view_state", 0):
+                self._check_writable(inputs[i], False)
+                session.view_writes += 1  # a base it views may have copies too
+            attributes.pop("_moved", None)  # its redistributed copies are stale now
+        return self.rebuild(self._call(session, inputs, tids, numbers))
+
+    def _call(self, session, inputs, tids, numbers) -> list:
+        """Emit the Call on input ids ``tids``; returns the flat outputs (inputs where aliased)."""
+        outs = []
+        out_tids = []
+        for spec, view, alias in zip(self.out_specs, self.out_views, self.out_alias):
+            if alias is not None:
+                outs.append(inputs[alias])
+                out_tids.append(tids[alias])
+            elif spec is None:
+                outs.append(None)
+                out_tids.append(-1)
+            else:
+                tid = session.new_tid()
+                outs.append(DTensor._make(spec, view, tid, session))
+                out_tids.append(tid)
+        if self.view_kind:
+            for o in outs:
+                if o is not None:
+                    o._view_state = self.view_kind
+        session.emit(Call(self.plan_id, tuple(tids), tuple(out_tids),
+                          user_source() if session.track_source else None,
+                          session.next_seed() if self.seeded else None, numbers))
+        return outs
 
     def _run_simple(self, session, inputs, numbers):
         tids = tuple([h.tid for x in inputs if (h := x._handle).session is session])
@@ -189,6 +208,9 @@ class DirectPlan:
             )
         )
         return self.rebuild(outs)
+
+
+_GENERAL = object()  # DirectPlan._run_writes_in_place: the general path must run the call
 
 
 def mixed_sessions(op_name: str) -> SessionError:
