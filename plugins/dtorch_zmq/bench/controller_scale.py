@@ -1,22 +1,31 @@
 """The remote runner's controller against world size: stand-in workers, 8 per simulated node.
 
-    python plugins/dtorch_zmq/bench/controller_scale.py [--worlds 1,8,64,256,1024] [--ops 2048]
+    python plugins/dtorch_zmq/bench/controller_scale.py [--worlds 1,8,64,256,1024] [--ops 2048] [--ops-per-batch N]
+        [--node-size 8]
 
 For each world size the real controller (``dt.init(runner="remote")``, one copy per node) drives
 stand-in workers (``_standin.py``: the real protocol and node fan-out, but batches are only
 decoded and acknowledged) hosted as threads of a few processes on this machine; each simulated
 node's leader holds the node's only ZMQ connection and hands batches to its 7 followers over
-shared memory. Rows, per world size:
+shared memory (``--node-size``: workers per node; with the world in one node the controller
+sends one message per batch, which separates the session's own cost of a larger mesh from the
+per-node work). Rows, per world size:
 
   start s        launching the stand-in processes until ``dt.init`` returned
   ctl CPU us/op  controller process CPU (main, flusher and I/O threads) per op, from the first of
                  ``--ops`` elementwise ops on a Shard(0) tensor (each a Call to every rank) until
                  ZMQ has every message (not the wait for the stand-ins that follows)
-  main thread    of which the thread that issues the ops (the session, the encoding, the sends)
+  main thread    of which the thread that issues the ops (the session, the encoding, the sends);
+                 then the flusher's (the session's timer thread, which submits most batches), the
+                 transport's I/O thread's and libzmq's own threads' (each thread's on-CPU time)
   wall us/op     wall time until every stand-in has taken every op (they share the 2 cores: an
                  upper bound of the controller's)
   B/op           batch bytes the controller sent per op (all nodes), B/op/node the same per node
   ops/batch      ops per batch the session flushed (each batch is one message per node)
+
+The session's timer flushes every 2 ms, so ops/batch (and with it the per-node work per op)
+follows how fast the controller runs on the loaded cores; ``--ops-per-batch N`` flushes every
+N ops instead (no timer), the same load at every world size.
 
 Targets (issue 16): flat per op (here: the largest CPU us/op within 1.5x the smallest), bytes per
 batch proportional to nodes (B/op/node within 10% across sizes), 1,024 workers start in < 30 s.
@@ -38,10 +47,9 @@ import torch
 from dtorch_zmq.keys import write_key
 
 import dtorch_core as dt
-from dtorch_core.controller.session import current_session
+from dtorch_core.controller.session import FlushPolicy, current_session
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-NODE = 8
 SILENCE_S = 300.0
 
 
@@ -51,16 +59,16 @@ def free_address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def launch(address: str, key: str, world: int, processes: int) -> list[subprocess.Popen]:
-    """Stand-in processes, each hosting whole nodes."""
-    nodes = -(-world // NODE)
+def launch(address: str, key: str, world: int, processes: int, node: int) -> list[subprocess.Popen]:
+    """Stand-in processes, each hosting whole nodes of ``node`` workers."""
+    nodes = -(-world // node)
     per = -(-nodes // processes)
     env = dict(os.environ, DTORCH_FANOUT_RING_BYTES=str(64 << 10))
     procs = []
     for first_node in range(0, nodes, per):
-        first, end = first_node * NODE, min(world, (first_node + per) * NODE)
+        first, end = first_node * node, min(world, (first_node + per) * node)
         procs.append(subprocess.Popen(["nice", "-n", "5", sys.executable, os.path.join(HERE, "_standin.py"), "--address", address,
-                                       "--key-file", key, "--ranks", str(first), str(end), "--node-size", str(NODE)],
+                                       "--key-file", key, "--ranks", str(first), str(end), "--node-size", str(node)],
                                       env=env, stdin=subprocess.DEVNULL))
     return procs
 
@@ -88,10 +96,10 @@ def thread_cpu() -> dict[str, int]:
     return out
 
 
-def measure(world: int, ops: int, key: str, processes: int) -> dict:
+def measure(world: int, ops: int, key: str, processes: int, node: int) -> dict:
     address = free_address()
     start = time.perf_counter()
-    procs = launch(address, key, world, processes)
+    procs = launch(address, key, world, processes, node)
     try:
         # dozens of stand-in workers share one process and its GIL (and on a loaded machine a
         # thread may wait many seconds for it): a 5 s heartbeat would call them lost
@@ -136,16 +144,23 @@ def main() -> int:
     parser.add_argument("--worlds", default="1,8,64,256,1024")
     parser.add_argument("--ops", type=int, default=2048)
     parser.add_argument("--processes", type=int, default=16, help="stand-in processes (each hosts whole nodes)")
+    parser.add_argument("--node-size", type=int, default=8, help="stand-in workers per simulated node")
+    parser.add_argument("--ops-per-batch", type=int, default=0, help="flush every N ops, no timer (0: the runner's policy)")
     args = parser.parse_args()
+    if args.ops_per_batch:
+        from dtorch_zmq.runner import RemoteRunner
+
+        RemoteRunner.flush_policy = FlushPolicy(batch_size=args.ops_per_batch, interval=0.0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         key = os.path.join(tmp, "key")
         write_key(key)
         for world in (int(w) for w in args.worlds.split(",")):
-            rows.append(measure(world, args.ops, key, args.processes))
+            rows.append(measure(world, args.ops, key, args.processes, args.node_size))
             print("  ".join(f"{k} {v:,.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()),
                   flush=True)
-    print(f"\n{args.ops} ops per world, {NODE} stand-in workers per simulated node, {os.cpu_count()} CPU cores")
+    batching = f"a batch every {args.ops_per_batch} ops" if args.ops_per_batch else "the runner's flush policy"
+    print(f"\n{args.ops} ops per world, {batching}, {args.node_size} stand-in workers per simulated node, {os.cpu_count()} CPU cores")
     cpu = [r["ctl CPU us/op"] for r in rows]
     per_node = [r["B/op/node"] for r in rows]
     flat = max(cpu) / min(cpu)
