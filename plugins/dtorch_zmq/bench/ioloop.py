@@ -5,7 +5,7 @@
 A controller-side loop (ROUTER, mandatory routing, high-water marks off) sends one 3.4 kB
 message (a batch's size) every ``--gap-ms`` to a DEALER on 127.0.0.1, as a session does between
 batches: prints the sending thread's CPU per message (queueing and waking the loop) and the I/O
-thread's (waking, ``send_multipart``), then the I/O thread's CPU per second while idle for 4 s
+thread's (waking, sending), then the I/O thread's CPU per second while idle for 4 s
 (every worker and controller has such a loop). Linux only (per-thread CPU from ``/proc``).
 """
 
