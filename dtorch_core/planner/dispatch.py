@@ -28,7 +28,18 @@ _SYNC_OPS = {aten._local_scalar_dense.default, aten.equal.default, aten.is_nonze
              aten._linalg_check_errors.default}
 
 
+# op -> (the op registry, FunctionPlan) of decompositions that serve every call and keep no plan
+# per key (torch.optim's foreach ops, whose numbers change every step): such a call is handed to
+# its decomposition before a key is built over every list element (run_foreach keys it itself)
+_unkeyed: dict = {}
+
+
 def dispatch(func, args, kwargs):
+    hit = _unkeyed.get(func)
+    if hit is not None and args and type(args[0]) in (list, tuple) and args[0] and type(args[0][0]) is DTensor:
+        session = args[0][0]._handle.session
+        if session.ops is hit[0] and not session.closed:
+            return hit[1].run(session, args, kwargs, None)
     inputs: list = []
     positions = number_positions(func)
     numbers: tuple = ()
@@ -47,6 +58,8 @@ def dispatch(func, args, kwargs):
         plan = build_plan(session, func, args, kwargs, inputs, numbers)
         if type(plan) is not FunctionPlan or plan.cached:
             remember(session, key, plan)
+        elif _serves_every_call(session, func, plan):
+            _unkeyed[func] = (session.ops, plan)
     return plan.run(session, args, kwargs, inputs)
 
 
@@ -189,6 +202,11 @@ def build_plan(session, func, args, kwargs, inputs, numbers: tuple = ()):
     if plan is None:
         return fallback_plan(session, func, "has a sharding rule, but none of its choices fits these inputs")
     return plan
+
+
+def _serves_every_call(session, func, plan) -> bool:
+    decomposition = session.ops.decomposition_for(func)
+    return plan.fn is decomposition and getattr(decomposition, "applies", None) is None
 
 
 def _decomposes(decomposition, args, kwargs) -> bool:
