@@ -4,6 +4,7 @@ placement constants, ``distribute``/``distribute_spread``, ``assert_close``, and
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
@@ -270,3 +271,17 @@ def run_ranks(target, args_of_rank, world: int) -> None:
     assert not alive, f"ranks hung: {[procs.index(p) for p in alive]}"
     assert not failures, "\n".join(failures)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+
+
+@contextlib.contextmanager
+def python_path():
+    """The Python dispatcher for the block (as with DTORCH_NATIVE_DISPATCH=0)."""
+    from dtorch_core.planner import native_dispatch
+    from dtorch_core.tensor import DTensor
+
+    installed = DTensor.__dict__["__torch_dispatch__"]
+    DTensor.__torch_dispatch__ = native_dispatch.PYTHON_TORCH_DISPATCH
+    try:
+        yield
+    finally:
+        DTensor.__torch_dispatch__ = installed

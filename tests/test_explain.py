@@ -21,22 +21,11 @@ from dtorch_core.controller import session as session_module
 from dtorch_core.planner import gathers, native_dispatch
 from dtorch_core.tensor import DTensor
 
-from .helpers import DEVICE, WORLD_SIZE, assert_close
+from .helpers import DEVICE, WORLD_SIZE, assert_close, python_path
 
 R = dt.Replicate()
 NATIVE = native_dispatch.active() == "native"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@contextlib.contextmanager
-def python_path():
-    """The Python dispatcher for the block (as with DTORCH_NATIVE_DISPATCH=0)."""
-    installed = DTensor.__dict__["__torch_dispatch__"]
-    DTensor.__torch_dispatch__ = native_dispatch.PYTHON_TORCH_DISPATCH
-    try:
-        yield
-    finally:
-        DTensor.__torch_dispatch__ = installed
 
 
 @pytest.fixture(params=["native", "python"])

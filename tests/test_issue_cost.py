@@ -17,8 +17,8 @@ import dtorch_core as dt
 from dtorch_core.controller import session as session_module
 from dtorch_core.planner import native_dispatch
 
-from .helpers import assert_close
-from .test_native_dispatch import _calls, held_instructions, python_path
+from .helpers import assert_close, python_path
+from .test_native_dispatch import _calls, held_instructions
 
 NATIVE = native_dispatch.active() == "native"
 aten = torch.ops.aten

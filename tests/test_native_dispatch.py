@@ -14,9 +14,8 @@ import dtorch_core as dt
 from dtorch_core.controller import session as session_module
 from dtorch_core.ir.instructions import Call
 from dtorch_core.planner import native_dispatch
-from dtorch_core.tensor import DTensor
 
-from .helpers import assert_close
+from .helpers import assert_close, python_path
 
 NATIVE = native_dispatch.active() == "native"
 needs_native = pytest.mark.skipif(not NATIVE, reason=f"the native hot path is not active: {native_dispatch.active()}")
@@ -26,17 +25,6 @@ def test_the_native_path_is_active_where_ci_requires_it():
     if os.environ.get("DTORCH_REQUIRE_NATIVE") == "1" and os.environ.get("DTORCH_NATIVE_DISPATCH", "1") != "0":
         assert NATIVE, native_dispatch.active()
     assert native_dispatch.active() == "native" or native_dispatch.active().startswith("python (")
-
-
-@contextlib.contextmanager
-def python_path():
-    """The Python dispatcher for the block (as with DTORCH_NATIVE_DISPATCH=0)."""
-    native = DTensor.__dict__["__torch_dispatch__"]
-    DTensor.__torch_dispatch__ = native_dispatch.PYTHON_TORCH_DISPATCH
-    try:
-        yield
-    finally:
-        DTensor.__torch_dispatch__ = native
 
 
 @contextlib.contextmanager

@@ -20,22 +20,10 @@ from dtorch_core.controller.session import current_session
 from dtorch_core.errors import CaptureError
 from dtorch_core.ir.instructions import Call, DefinePlan, DropPlans, Number
 from dtorch_core.planner import cache, native_dispatch
-from dtorch_core.tensor import DTensor
 
-from .helpers import P, R, S, WORLD_SIZE, assert_close, distribute
+from .helpers import P, R, S, WORLD_SIZE, assert_close, distribute, python_path
 
 NATIVE = native_dispatch.active() == "native"
-
-
-@contextlib.contextmanager
-def python_path():
-    """The Python dispatcher for the block (as with DTORCH_NATIVE_DISPATCH=0)."""
-    native = DTensor.__dict__["__torch_dispatch__"]
-    DTensor.__torch_dispatch__ = native_dispatch.PYTHON_TORCH_DISPATCH
-    try:
-        yield
-    finally:
-        DTensor.__torch_dispatch__ = native
 
 
 PATHS = ["native", "python"] if NATIVE else ["python"]
