@@ -1,7 +1,7 @@
 """The remote runner's controller against world size: stand-in workers, 8 per simulated node.
 
     python plugins/dtorch_zmq/bench/controller_scale.py [--worlds 1,8,64,256,1024] [--ops 2048] [--ops-per-batch N]
-        [--node-size 8]
+        [--node-size 8] [--pin]
 
 For each world size the real controller (``dt.init(runner="remote")``, one copy per node) drives
 stand-in workers (``_standin.py``: the real protocol and node fan-out, but batches are only
@@ -25,7 +25,10 @@ per-node work). Rows, per world size:
 
 The session's timer flushes every 2 ms, so ops/batch (and with it the per-node work per op)
 follows how fast the controller runs on the loaded cores; ``--ops-per-batch N`` flushes every
-N ops instead (no timer), the same load at every world size.
+N ops instead (no timer), the same load at every world size. The stand-ins share the cores with
+the controller and inflate its CPU time (a thread that shares its core with hundreds of busy
+ones runs slower); ``--pin`` keeps them apart: the controller on the first CPU, the stand-ins on
+the others.
 
 Targets (issue 16): flat per op (here: the largest CPU us/op within 1.5x the smallest), bytes per
 batch proportional to nodes (B/op/node within 10% across sizes), 1,024 workers start in < 30 s.
@@ -59,15 +62,16 @@ def free_address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def launch(address: str, key: str, world: int, processes: int, node: int) -> list[subprocess.Popen]:
-    """Stand-in processes, each hosting whole nodes of ``node`` workers."""
+def launch(address: str, key: str, world: int, processes: int, node: int, cpus: str | None) -> list[subprocess.Popen]:
+    """Stand-in processes, each hosting whole nodes of ``node`` workers (on ``cpus`` if given)."""
     nodes = -(-world // node)
     per = -(-nodes // processes)
     env = dict(os.environ, DTORCH_FANOUT_RING_BYTES=str(64 << 10))
     procs = []
     for first_node in range(0, nodes, per):
         first, end = first_node * node, min(world, (first_node + per) * node)
-        procs.append(subprocess.Popen(["nice", "-n", "5", sys.executable, os.path.join(HERE, "_standin.py"), "--address", address,
+        pin = ["taskset", "-c", cpus] if cpus else []
+        procs.append(subprocess.Popen([*pin, "nice", "-n", "5", sys.executable, os.path.join(HERE, "_standin.py"), "--address", address,
                                        "--key-file", key, "--ranks", str(first), str(end), "--node-size", str(node)],
                                       env=env, stdin=subprocess.DEVNULL))
     return procs
@@ -96,10 +100,10 @@ def thread_cpu() -> dict[str, int]:
     return out
 
 
-def measure(world: int, ops: int, key: str, processes: int, node: int) -> dict:
+def measure(world: int, ops: int, key: str, processes: int, node: int, cpus: str | None) -> dict:
     address = free_address()
     start = time.perf_counter()
-    procs = launch(address, key, world, processes, node)
+    procs = launch(address, key, world, processes, node, cpus)
     try:
         # dozens of stand-in workers share one process and its GIL (and on a loaded machine a
         # thread may wait many seconds for it): a 5 s heartbeat would call them lost
@@ -146,7 +150,16 @@ def main() -> int:
     parser.add_argument("--processes", type=int, default=16, help="stand-in processes (each hosts whole nodes)")
     parser.add_argument("--node-size", type=int, default=8, help="stand-in workers per simulated node")
     parser.add_argument("--ops-per-batch", type=int, default=0, help="flush every N ops, no timer (0: the runner's policy)")
+    parser.add_argument("--pin", action="store_true",
+                        help="the controller on CPU 0, the stand-ins on the others (needs taskset and 2+ CPUs)")
     args = parser.parse_args()
+    standin_cpus = None
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("--pin needs at least 2 CPUs")
+        os.sched_setaffinity(0, {cpus[0]})  # before dt.init: its threads (I/O, libzmq, flusher) inherit it
+        standin_cpus = ",".join(map(str, cpus[1:]))
     if args.ops_per_batch:
         from dtorch_zmq.runner import RemoteRunner
 
@@ -156,10 +169,12 @@ def main() -> int:
         key = os.path.join(tmp, "key")
         write_key(key)
         for world in (int(w) for w in args.worlds.split(",")):
-            rows.append(measure(world, args.ops, key, args.processes, args.node_size))
+            rows.append(measure(world, args.ops, key, args.processes, args.node_size, standin_cpus))
             print("  ".join(f"{k} {v:,.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()),
                   flush=True)
     batching = f"a batch every {args.ops_per_batch} ops" if args.ops_per_batch else "the runner's flush policy"
+    if standin_cpus:
+        batching += f", the controller on CPU {min(os.sched_getaffinity(0))} and the stand-ins on {standin_cpus}"
     print(f"\n{args.ops} ops per world, {batching}, {args.node_size} stand-in workers per simulated node, {os.cpu_count()} CPU cores")
     cpu = [r["ctl CPU us/op"] for r in rows]
     per_node = [r["B/op/node"] for r in rows]
