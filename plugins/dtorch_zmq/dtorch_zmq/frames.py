@@ -2,7 +2,7 @@
 
 A message is the frames ``[head, *rest]``:
 
-- ``head``: the header (29 bytes: magic ``DTZ1``, the kind (u8), the sequence number (u64) and
+- ``head``: the header (29 bytes: magic ``DTZ2``, the kind (u8), the sequence number (u64) and
   the connection's nonce, 16 random bytes the worker picks when it starts), the MAC (32 bytes),
   then the message's first part when it is small (under :data:`ZERO_COPY_BYTES`): a small
   message is one frame.
@@ -28,7 +28,7 @@ import hashlib
 import hmac
 import struct
 
-MAGIC = b"DTZ1"
+MAGIC = b"DTZ2"  # DTZ1: the layout before head frames ([header, *parts, mac])
 HEADER = struct.Struct("<4sBQ16s")
 MAC_BYTES = 32
 HEAD_BYTES = HEADER.size + MAC_BYTES  # the head frame before its inline part
@@ -135,11 +135,16 @@ def peek(frames) -> tuple[int, int, bytes]:
     if len(frames) < 1:
         raise FrameError("no frame, not a dtorch message")
     first = memoryview(frames[0])
-    if first.nbytes < HEAD_BYTES:
+    if first.nbytes < HEADER.size:
         raise FrameError("not a dtorch message (its first frame is too short)")
     magic, kind, seq, nonce = HEADER.unpack(first[:HEADER.size])
+    if magic != MAGIC and magic[:3] == MAGIC[:3]:
+        raise FrameError(f"a frame of another dtorch_zmq version ({magic.decode(errors='replace')}; this end speaks "
+                         f"{MAGIC.decode()}): install the same dtorch-zmq on the controller and every worker")
     if magic != MAGIC or kind not in KIND_NAMES:
         raise FrameError("not a dtorch message (bad magic or kind)")
+    if first.nbytes < HEAD_BYTES:
+        raise FrameError("not a dtorch message (no MAC in its first frame)")
     return kind, seq, nonce
 
 

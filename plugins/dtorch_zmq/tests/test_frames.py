@@ -39,6 +39,12 @@ def test_a_frame_opens_once_in_order_on_its_connection_and_direction():
         fr.open_message(MAC, fr.TO_CONTROLLER, flipped, 0, nonce)
 
 
+def test_a_frame_of_another_version_is_refused_saying_so():
+    old_layout = [fr.HEADER.pack(b"DTZ1", fr.HELLO, 0, bytes(16)), b"{}", bytes(fr.MAC_BYTES)]  # [header, *parts, mac]
+    with pytest.raises(fr.FrameError, match="another dtorch_zmq version"):
+        fr.peek(old_layout)
+
+
 def test_a_small_message_is_one_frame_and_large_parts_stay_frames_of_their_own():
     nonce = secrets.token_bytes(16)
     small = fr.seal(MAC, fr.TO_WORKER, fr.BATCH, 3, nonce, [b"abc"])
