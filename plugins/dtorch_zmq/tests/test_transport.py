@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -29,11 +30,24 @@ def _router_and_dealers(ctx, count: int):
     return router, dealers
 
 
-def test_one_payload_to_several_peers_arrives_whole_at_each_and_is_sent_once_zmq_let_go():
+@contextlib.contextmanager
+def _io_loop_with_peers(count: int):
+    """A running I/O loop on a ROUTER and ``count`` DEALER peers that said hello; closed after."""
     ctx = zt.new_context()
-    router, dealers = _router_and_dealers(ctx, 3)
+    router, dealers = _router_and_dealers(ctx, count)
     loop = zt.IOLoop(ctx, router, lambda frames: None, lambda now: None, "test-io").start()
     try:
+        yield loop, dealers
+    finally:
+        loop.stop()
+        for d in dealers:
+            d.close(0)
+        router.close(0)
+        ctx.term()
+
+
+def test_one_payload_to_several_peers_arrives_whole_at_each_and_is_sent_once_zmq_let_go():
+    with _io_loop_with_peers(3) as (loop, dealers):
         tensor = torch.arange(3 * fr.ZERO_COPY_BYTES // 4 + 5, dtype=torch.float32)  # not a multiple of 64 KiB
         expected = bytes(tensor.numpy().tobytes())
         payload = fr.Payload([b"small head part", memoryview(tensor.numpy()).cast("B"), b"tail"])
@@ -52,19 +66,10 @@ def test_one_payload_to_several_peers_arrives_whole_at_each_and_is_sent_once_zmq
         small = loop.send(zt.Outgoing([(d.getsockopt(zmq.IDENTITY), fr.refusal("x")) for d in dealers]))
         assert small.sent is None  # copied when queued: nothing of the caller's to wait for
         assert all(d.poll(5000) and len(d.recv_multipart()) == 1 for d in dealers)
-    finally:
-        loop.stop()
-        for d in dealers:
-            d.close(0)
-        router.close(0)
-        ctx.term()
 
 
 def test_a_gone_peer_does_not_keep_the_others_from_their_message():
-    ctx = zt.new_context()
-    router, dealers = _router_and_dealers(ctx, 2)
-    loop = zt.IOLoop(ctx, router, lambda frames: None, lambda now: None, "test-io").start()
-    try:
+    with _io_loop_with_peers(2) as (loop, dealers):
         big = os.urandom(fr.ZERO_COPY_BYTES)
         payload = fr.Payload([b"x", big])
         heads = [(b"nobody", fr.head(MAC, fr.TO_WORKER, fr.BATCH, 0, bytes(16), payload))]
@@ -76,9 +81,3 @@ def test_a_gone_peer_does_not_keep_the_others_from_their_message():
             assert d.poll(5000)
             _, parts = fr.open_message(MAC, fr.TO_WORKER, d.recv_multipart(), 0, bytes(16))
             assert bytes(fr.joined(parts)) == b"x" + big
-    finally:
-        loop.stop()
-        for d in dealers:
-            d.close(0)
-        router.close(0)
-        ctx.term()
