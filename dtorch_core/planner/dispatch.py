@@ -47,6 +47,11 @@ def dispatch(func, args, kwargs):
         key, numbers = _numbered_key(func, args, kwargs, inputs, positions)
     else:
         key = _key(func, args, kwargs, inputs)
+    return _run_keyed(func, args, kwargs, inputs, key, numbers)
+
+
+def _run_keyed(func, args, kwargs, inputs, key, numbers: tuple):
+    """Run the cached plan of ``key`` (planned and cached on a miss)."""
     # the first input's session; the plan checks that every other input has the same one
     # (DirectPlan.run), so the hot path reads each handle once
     first = inputs[0] if inputs else None
@@ -104,14 +109,7 @@ def _by_value(func):
 
     def run(*args, **kwargs):
         inputs: list = []
-        key = _key(func, args, kwargs, inputs)
-        session = session_of(func, inputs)
-        plan = session.plans.get(key)
-        if plan is None:
-            plan = build_plan(session, func, args, kwargs, inputs)
-            if type(plan) is not FunctionPlan or plan.cached:
-                remember(session, key, plan)
-        return plan.run(session, args, kwargs, inputs)
+        return _run_keyed(func, args, kwargs, inputs, _key(func, args, kwargs, inputs), ())
 
     return FunctionPlan(run)
 

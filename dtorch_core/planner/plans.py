@@ -57,11 +57,11 @@ class DirectPlan:
 
     def __attrs_post_init__(self):
         self.out_specs = tuple(None if s is None else canonical_spec(s) for s in self.out_specs)
-        self.fast = self._fast_form()
         self.moving = any(self.moves)
+        self.fast = self._fast_form()
 
     def _fast_form(self) -> tuple | None:
-        if self.writes or self.rebind or self.view_kind not in (0, 1) or any(self.moves) or not self.moves \
+        if self.writes or self.rebind or self.view_kind not in (0, 1) or self.moving or not self.moves \
                 or any(a is not None for a in self.out_alias):
             return None
         if self.rebuild is first_output:
