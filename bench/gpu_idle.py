@@ -1,0 +1,149 @@
+"""Where the GPU idles during a training step: plain torch against dtorch eager (process runner).
+
+    python bench/gpu_idle.py [--families dit,gpt2] [--size large] [--steps 3] [--warmup 3] [--json out.json]
+
+The blocks and the step are bench/model_steps.py's (bench/_blocks.py; forward, backward,
+``torch.optim.AdamW(foreach=True)``, ``zero_grad``, a device sync). Each side runs ``--warmup``
+steps, then ``--steps`` steps under torch.profiler: the torch side in this process, the dtorch
+side in its worker process (bench/gpu_idle_hook/ is put on the path the workers inherit; its
+``sitecustomize.py`` opens the window at the first ``dt.memory_stats()`` and closes it at the
+next). Per step it prints the step's time between syncs, the GPU's busy time (the union of its
+kernels), and the idle time: before the first kernel, between kernels by cause (see
+gpu_idle_trace.py: waiting for the controller, worker busy, GPU side; on the torch side "worker
+busy" is its one thread being behind) and after the last kernel; then the largest gaps.
+Profiling adds CPU time per op on both sides, so the idle figures are upper bounds: compare the
+sides with each other, and the step times with bench/model_steps.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+HOOK_DIR = os.path.join(BENCH_DIR, "gpu_idle_hook")
+sys.path.insert(0, BENCH_DIR)
+sys.path.insert(1, os.path.dirname(BENCH_DIR))  # run from a checkout without installing dtorch-core
+sys.path.insert(0, HOOK_DIR)  # before dt.init: the workers take the controller's path
+
+import _blocks
+import gpu_idle_trace
+from model_steps import DTYPES, Side, train_step
+
+
+def torch_window(side, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        with record_function(gpu_idle_trace.SYNC):
+            side.sync()
+        for i in range(steps):
+            side.step_fn(side.model, side.opt, side.loss_fn, side.batches[i % len(side.batches)])
+            with record_function(gpu_idle_trace.SYNC):
+                side.sync()
+    return gpu_idle_trace.summarise(prof)
+
+
+def dtorch_window(dt, side, steps: int, out: str, window: int) -> dict:
+    dt.memory_stats()  # opens the workers' window
+    for _ in range(steps):
+        side.step()
+    dt.memory_stats()  # closes it; each worker writes its summary after its reply
+    deadline = time.monotonic() + 60
+    while not (found := sorted(glob.glob(os.path.join(out, f"window{window}-worker*.json")))):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if not found:
+        raise RuntimeError(f"no worker summary in {out} (did the workers import the hook?)")
+    with open(found[0]) as f:
+        return json.load(f)
+
+
+def medians(summary: dict) -> dict:
+    steps = summary["steps"]
+    keys = ("wall_us", "busy_us", "kernels", "before_first_kernel_us", "idle_between_kernels_us",
+            "after_last_kernel_us")
+    row = {k: statistics.median(s[k] for s in steps) for k in keys}
+    row["idle_by_cause_us"] = {c: statistics.median(s["idle_by_cause_us"][c] for s in steps)
+                               for c in steps[0]["idle_by_cause_us"]}
+    return row
+
+
+def print_rows(family, size, rows: dict, summaries: dict, top: int) -> None:
+    for name, r in rows.items():
+        causes = ", ".join(f"{c} {v / 1000:.2f}" for c, v in r["idle_by_cause_us"].items())
+        print(f"{family:5s} {size:5s} {name:6s} | step {r['wall_us'] / 1000:7.2f} ms | busy "
+              f"{r['busy_us'] / 1000:7.2f} ms, {r['kernels']:.0f} kernels | idle: before "
+              f"{r['before_first_kernel_us'] / 1000:.2f}, between {r['idle_between_kernels_us'] / 1000:.2f} "
+              f"({causes}), after {r['after_last_kernel_us'] / 1000:.2f} ms")
+    for name, summary in summaries.items():
+        gaps = summary["steps"][len(summary["steps"]) // 2]["top_gaps"][:top]
+        for g in gaps:
+            print(f"      {name:6s} gap {g['us']:8.1f} us  {g['cause']:27s} before {g['kernel']} (launched in {g['op']})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--families", default="dit,gpt2")
+    parser.add_argument("--size", default=None, help="default large on cuda, tiny on cpu")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--top", type=int, default=10, help="largest gaps printed per side")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    device = args.device
+    dtype = DTYPES["bf16" if device == "cuda" else "fp32"]
+    size = args.size or ("large" if device == "cuda" else "tiny")
+    out = tempfile.mkdtemp(prefix="dtorch-gpu-idle-")
+    os.environ["DTORCH_GPU_IDLE_OUT"] = out
+
+    import dtorch_core as dt
+
+    dt.init(world_size=1, runner="process", device_type=device)
+    mesh = dt.init_device_mesh(device, (1,))
+    sync_torch = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    results = {}
+    for window, family in enumerate(args.families.split(",")):
+        torch.manual_seed(0)
+        model, batch_fn, loss_fn = _blocks.make(family, size, dtype=dtype)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        batches = [batch_fn(i) for i in range(4)]
+        side = Side("torch", model.to(device), [tuple(t.to(device) for t in b) for b in batches], loss_fn, sync_torch)
+        for _ in range(args.warmup):
+            side.step()
+        summaries = {"torch": torch_window(side, args.steps)}
+        del side, model
+        fresh, _, _ = _blocks.make(family, size, dtype=dtype)
+        fresh.load_state_dict(state, strict=False)
+        dmodel = dt.nn.parallelize_module(fresh, mesh, {})
+        dbatches = [tuple(dt.distribute_tensor(t, mesh, [dt.Replicate()]) for t in b) for b in batches]
+        side = Side("eager", dmodel, dbatches, loss_fn, dt.synchronize, step=train_step)
+        for _ in range(args.warmup):
+            side.step()
+        summaries["eager"] = dtorch_window(dt, side, args.steps, out, window)
+        del side, dmodel, dbatches
+        rows = {name: medians(s) for name, s in summaries.items()}
+        print_rows(family, size, rows, summaries, args.top)
+        results[f"{family}/{size}"] = {"medians": rows, "summaries": summaries}
+        sys.stdout.flush()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    dt.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Where the GPU idles in a step: a torch.profiler window read back into gaps between kernels.
+
+Used by bench/gpu_idle.py on both sides: in the controller for plain torch, and in each process
+runner worker through this folder's ``sitecustomize.py`` (the worker inherits the controller's
+``sys.path``, so Python imports it at the worker's start). In a worker the window opens at a
+``Stats`` that asks for memory figures (``dt.memory_stats()``) and closes at the next; every
+``Stats`` in it (each step ends with ``dt.synchronize()``) marks a step's end. The summary of
+window K is written as JSON into ``DTORCH_GPU_IDLE_OUT/windowK-workerR.json``.
+
+A gap is the time between one kernel's end and the next one's start. It is *starved* when the
+next kernel's launch call began after the previous kernel had ended (the GPU had nothing queued);
+a starved gap is *waiting for the controller* when the worker's batch that launched it arrived
+after that end (the worker itself had nothing to do), else *worker busy* (the worker was still
+working through its batch). A gap whose kernel was launched in time is the GPU's own (a copy, an
+event wait).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import os
+
+FRAME = "dtorch.frame"  # a batch frame in a worker: decode and run
+SYNC = "dtorch.sync"  # one step's end (Stats in a worker, the bench's sync on the torch side)
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+            "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+def summarise(prof, *, min_gap_us: float = 2.0, top: int = 12) -> dict:
+    """Per step of the profiled window: GPU busy and idle time, idle split by cause, top gaps."""
+    events = list(prof.profiler.kineto_results.events())
+    kernels, launches, frames, syncs, ops = [], {}, [], [], []
+    for e in events:
+        name = e.name()
+        start, end = e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3
+        if e.device_type().name == "CUDA":
+            kernels.append((start, end, name, e.correlation_id()))
+        elif name in LAUNCHES:
+            launches[e.correlation_id()] = (start, end)
+        elif name == FRAME:
+            frames.append((start, end))
+        elif name == SYNC:
+            syncs.append((start, end))
+        elif name.startswith("aten::"):
+            ops.append((start, end, name))
+    if not kernels:  # a CPU device: its aten ops stand in for kernels, each "launched" at its start
+        kernels = [(start, end, name, None) for start, end, name in ops]
+        launches = {None: None}
+    kernels.sort()
+    frames.sort()
+    ops.sort()
+    syncs.sort()
+    frame_starts = [f[0] for f in frames]
+    op_starts = [o[0] for o in ops]
+    steps = []
+    for (_, begin), (end, _) in itertools.pairwise(syncs):
+        ks = [k for k in kernels if begin <= k[0] < end]
+        if not ks:
+            continue
+        busy, gaps = 0.0, []
+        causes = {"waiting for the controller": 0.0, "worker busy": 0.0, "gpu side": 0.0}
+        last_end = ks[0][0]
+        for start, stop, name, corr in ks:
+            if start - last_end > min_gap_us:
+                gap = start - last_end
+                launch = launches.get(corr) if corr is not None else (start, start)
+                if launch is None or launch[0] < last_end:
+                    cause = "gpu side"
+                else:
+                    i = bisect.bisect_right(frame_starts, launch[0]) - 1
+                    frame_start = frames[i][0] if i >= 0 else float("-inf")
+                    cause = "waiting for the controller" if frame_start >= last_end else "worker busy"
+                causes[cause] += gap
+                j = bisect.bisect_right(op_starts, launch[0]) - 1 if launch else -1
+                op = ops[j][2] if j >= 0 else "?"
+                gaps.append((gap, cause, name[:60], op))
+            busy += stop - max(start, last_end) if stop > last_end else 0.0
+            last_end = max(last_end, stop)
+        gaps.sort(reverse=True)
+        steps.append({
+            "wall_us": end - begin,
+            "before_first_kernel_us": ks[0][0] - begin,
+            "after_last_kernel_us": end - last_end,
+            "kernels": len(ks),
+            "busy_us": busy,
+            "idle_between_kernels_us": sum(g[0] for g in gaps),
+            "idle_by_cause_us": causes,
+            "top_gaps": [{"us": round(g, 1), "cause": c, "kernel": k, "op": o} for g, c, k, o in gaps[:top]],
+        })
+    return {"steps": steps}
+
+
+def install() -> None:
+    """In a process runner worker: profile the window and write its summary at the window's end."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from dtorch_core import worker_main
+    from dtorch_core.ir.instructions import Stats
+    from dtorch_core.worker.loop import Worker
+
+    out = os.environ["DTORCH_GPU_IDLE_OUT"]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    state = {"window": 0, "prof": None}
+    run_frame, execute = worker_main.run_frame, Worker.execute
+
+    def traced_frame(*args, **kwargs):
+        if state["prof"] is None:
+            return run_frame(*args, **kwargs)
+        with record_function(FRAME):
+            return run_frame(*args, **kwargs)
+
+    def traced_execute(self, ins):
+        if type(ins) is not Stats:
+            return execute(self, ins)
+        opening = ins.memory and state["prof"] is None
+        if opening:  # dt.memory_stats() opens the window, the next one closes it
+            state["prof"] = profile(activities=activities)
+            state["prof"].__enter__()
+        if state["prof"] is None:
+            return execute(self, ins)
+        with record_function(SYNC):
+            result = execute(self, ins)
+        if ins.memory and not opening:
+            prof, state["prof"] = state["prof"], None
+            prof.__exit__(None, None, None)
+            summary = summarise(prof)
+            summary["rank"] = self.rank
+            path = os.path.join(out, f"window{state['window']}-worker{self.rank}.json")
+            with open(path + ".part", "w") as f:
+                json.dump(summary, f, indent=1)
+            os.replace(path + ".part", path)  # the controller polls for the whole file
+            state["window"] += 1
+        return result
+
+    worker_main.run_frame = traced_frame
+    Worker.execute = traced_execute
