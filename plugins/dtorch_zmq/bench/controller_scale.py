@@ -1,7 +1,7 @@
 """The remote runner's controller against world size: stand-in workers, 8 per simulated node.
 
     python plugins/dtorch_zmq/bench/controller_scale.py [--worlds 1,8,64,256,1024] [--ops 2048] [--ops-per-batch N]
-        [--node-size 8] [--pin]
+        [--node-size 8] [--pin] [--fixed-policy]
 
 For each world size the real controller (``dt.init(runner="remote")``, one copy per node) drives
 stand-in workers (``_standin.py``: the real protocol and node fan-out, but batches are only
@@ -22,10 +22,13 @@ per-node work). Rows, per world size:
                  upper bound of the controller's)
   B/op           batch bytes the controller sent per op (all nodes), B/op/node the same per node
   ops/batch      ops per batch the session flushed (each batch is one message per node)
+  policy         the flush policy's batch size and timer interval for this many nodes
 
-The session's timer flushes every 2 ms, so ops/batch (and with it the per-node work per op)
-follows how fast the controller runs on the loaded cores; ``--ops-per-batch N`` flushes every
-N ops instead (no timer), the same load at every world size. The stand-ins share the cores with
+The runner's flush policy (``dtorch_zmq.runner.flush_policy_for``) grows batches and the timer
+with the node count past 32 nodes (256 ops or 2 ms up to there); ops/batch follows how fast the
+controller runs on the loaded cores; ``--fixed-policy`` keeps 256 ops / 2 ms at every size (the
+policy before it grew), and ``--ops-per-batch N`` flushes every N ops instead (no timer), the
+same batches at every world size. The stand-ins share the cores with
 the controller and inflate its CPU time (a thread that shares its core with hundreds of busy
 ones runs slower); ``--pin`` keeps them apart: the controller on the first CPU, the stand-ins on
 the others.
@@ -132,12 +135,13 @@ def measure(world: int, ops: int, key: str, processes: int, node: int, cpus: str
         sent = endpoint.batch_bytes - sent
         messages = endpoint.batches_sent - messages
         nodes = len(current_session().runner.leaders)
+        policy = current_session().runner.flush_policy
     finally:
         dt.shutdown()
         codes = [p.wait(60) for p in procs]
     if codes != [0] * len(procs):  # stand-ins starved of their GIL miss the goodbye's grace: say so
         print(f"  (world {world}: stand-in processes exited with {codes}; 3 = a rank still busy 3 s after goodbye)")
-    return {"world": world, "nodes": nodes, "start s": started, "ctl CPU us/op": 1e6 * cpu / ops, "main thread us/op": 1e6 * main_cpu / ops,
+    return {"world": world, "nodes": nodes, "policy": f"{policy.batch_size}/{policy.interval * 1e3:g}ms", "start s": started, "ctl CPU us/op": 1e6 * cpu / ops, "main thread us/op": 1e6 * main_cpu / ops,
             **{f"{k} us/op": v / 1e3 / ops for k, v in sorted(threads.items()) if k != "main"},
             "wall us/op": 1e6 * wall / ops, "B/op": sent / ops, "B/op/node": sent / ops / nodes,
             "ops/batch": ops * nodes / max(1, messages)}
@@ -150,6 +154,8 @@ def main() -> int:
     parser.add_argument("--processes", type=int, default=16, help="stand-in processes (each hosts whole nodes)")
     parser.add_argument("--node-size", type=int, default=8, help="stand-in workers per simulated node")
     parser.add_argument("--ops-per-batch", type=int, default=0, help="flush every N ops, no timer (0: the runner's policy)")
+    parser.add_argument("--fixed-policy", action="store_true",
+                        help="the base flush policy (256 ops, 2 ms) at every size, not the one grown with the nodes")
     parser.add_argument("--pin", action="store_true",
                         help="the controller on CPU 0, the stand-ins on the others (needs taskset and 2+ CPUs)")
     args = parser.parse_args()
@@ -160,10 +166,12 @@ def main() -> int:
             raise SystemExit("--pin needs at least 2 CPUs")
         os.sched_setaffinity(0, {cpus[0]})  # before dt.init: its threads (I/O, libzmq, flusher) inherit it
         standin_cpus = ",".join(map(str, cpus[1:]))
-    if args.ops_per_batch:
-        from dtorch_zmq.runner import RemoteRunner
+    if args.ops_per_batch or args.fixed_policy:
+        from dtorch_zmq import runner
 
-        RemoteRunner.flush_policy = FlushPolicy(batch_size=args.ops_per_batch, interval=0.0)
+        fixed = (FlushPolicy(batch_size=args.ops_per_batch, interval=0.0) if args.ops_per_batch
+                 else runner.BASE_FLUSH_POLICY)
+        runner.flush_policy_for = lambda messages: fixed
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         key = os.path.join(tmp, "key")
@@ -172,7 +180,8 @@ def main() -> int:
             rows.append(measure(world, args.ops, key, args.processes, args.node_size, standin_cpus))
             print("  ".join(f"{k} {v:,.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()),
                   flush=True)
-    batching = f"a batch every {args.ops_per_batch} ops" if args.ops_per_batch else "the runner's flush policy"
+    batching = (f"a batch every {args.ops_per_batch} ops" if args.ops_per_batch
+                else "the base flush policy at every size" if args.fixed_policy else "the runner's flush policy")
     if standin_cpus:
         batching += f", the controller on CPU {min(os.sched_getaffinity(0))} and the stand-ins on {standin_cpus}"
     print(f"\n{args.ops} ops per world, {batching}, {args.node_size} stand-in workers per simulated node, {os.cpu_count()} CPU cores")

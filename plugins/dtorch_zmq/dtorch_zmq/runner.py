@@ -28,6 +28,7 @@ import socket
 import time
 from urllib.parse import urlsplit
 
+import attrs
 import structlog
 import torch.distributed as dist
 
@@ -52,6 +53,23 @@ GOODBYE = -2  # request id of the reply a worker sends as it exits
 DEFAULT_STARTUP_S = 120.0
 DEFAULT_LEASE_S = 30.0
 
+# Each batch costs the controller a fixed ~10-15 us per message it sends (one per node, or per
+# worker without fanout: libzmq's TCP write, the I/O thread's send, the head frame and the credit).
+# Up to SMALL_MESH messages the base policy's batches (256 ops or 2 ms) keep that under ~2 us per
+# op; beyond it batches and the timer grow in proportion, so the per-op share stays there. The
+# price: an op that no sync point follows leaves up to the longer interval later (sync points
+# flush at once whatever the policy). Past MAX_SCALE the wait would be felt: a relay tree's job.
+BASE_FLUSH_POLICY = FlushPolicy(batch_size=256, interval=0.002, when_idle=False, first_batch=4)
+SMALL_MESH = 32
+MAX_SCALE = 16
+
+
+def flush_policy_for(messages: int) -> FlushPolicy:
+    """The session's flush policy when every batch goes out as ``messages`` ZMQ messages."""
+    scale = min(MAX_SCALE, max(1.0, messages / SMALL_MESH))
+    return attrs.evolve(BASE_FLUSH_POLICY, batch_size=round(BASE_FLUSH_POLICY.batch_size * scale),
+                        interval=BASE_FLUSH_POLICY.interval * scale)
+
 
 def parse_address(address: str) -> tuple[str, int]:
     """(host, port) of ``tcp://HOST:PORT``; ConfigError otherwise."""
@@ -68,7 +86,7 @@ def parse_address(address: str) -> tuple[str, int]:
 class RemoteRunner(Runner):
     name = "remote"
     collective_hints = True  # the workers' DistExchange moves payloads without headers
-    flush_policy = FlushPolicy(batch_size=256, interval=0.002, when_idle=False, first_batch=4)
+    flush_policy = BASE_FLUSH_POLICY  # until the workers are known; then flush_policy_for their messages
 
     def __init__(self, world_size: int, device_type: str = "cpu", timeout: float = 300.0, *, plugins,
                  listen: str | None = None, key_file: str | None = None, agents=None,
@@ -111,7 +129,14 @@ class RemoteRunner(Runner):
         except BaseException:
             self.shutdown()
             raise
-        log.info("remote runner up", world_size=world_size, listen=self.address)
+        self.flush_policy = flush_policy_for(self.messages_per_batch)
+        log.info("remote runner up", world_size=world_size, listen=self.address, nodes=self.messages_per_batch,
+                 batch_size=self.flush_policy.batch_size, flush_interval_s=self.flush_policy.interval)
+
+    @property
+    def messages_per_batch(self) -> int:
+        """ZMQ messages a batch for every rank takes: one per node with fanout, else one per worker."""
+        return len(self.leaders) if self.leaders is not None else self.world_size
 
     # -- start-up -------------------------------------------------------------------------
     def _start_on_agents(self, agents: list[str], key: bytes, lease_s: float) -> None:
