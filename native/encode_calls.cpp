@@ -208,9 +208,11 @@ int write_call(std::string &out, PyObject *call, PyObject *prefix, PyObject *mem
     }
     if (!source_writable(f[3])) return 0;
     if (f[4] != Py_None && !exact_int(f[4], &seed)) return 0;
-    // numbers: a tuple of fewer than 16 floats (`8n` then `c8` and 8 bytes each), as encode.py writes it
-    if (!PyTuple_CheckExact(f[5]) || PyTuple_GET_SIZE(f[5]) >= 16) return 0;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(f[5]); ++i)
+    // numbers: a tuple of floats (a foreach call's may hold hundreds), as encode.py writes it:
+    // `8n` (n < 16) or `ce` + u32 n, then `c8` and 8 bytes each
+    if (!PyTuple_CheckExact(f[5])) return 0;
+    Py_ssize_t n_numbers = PyTuple_GET_SIZE(f[5]);
+    for (Py_ssize_t i = 0; i < n_numbers; ++i)
         if (!PyFloat_CheckExact(PyTuple_GET_ITEM(f[5], i))) return 0;
 
     out.append(PyBytes_AS_STRING(prefix), PyBytes_GET_SIZE(prefix));
@@ -222,8 +224,9 @@ int write_call(std::string &out, PyObject *call, PyObject *prefix, PyObject *mem
     if (write_source(out, f[3], memo) < 0) return -1;
     if (f[4] == Py_None) out.push_back((char)NONE);
     else write_int(out, seed);
-    out.push_back((char)(TUPLE | PyTuple_GET_SIZE(f[5])));
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(f[5]); ++i) put(out, FLOAT64, PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(f[5], i)));
+    if (n_numbers < 16) out.push_back((char)(TUPLE | n_numbers));
+    else put(out, TUPLE32, (uint32_t)n_numbers);
+    for (Py_ssize_t i = 0; i < n_numbers; ++i) put(out, FLOAT64, PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(f[5], i)));
     return 1;
 }
 

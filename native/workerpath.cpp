@@ -18,6 +18,7 @@
 #include <structmember.h>
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -431,10 +432,10 @@ PyMethodDef run_calls_def = {"run_calls", (PyCFunction)(void (*)(void))run_calls
 // ---------------------------------------------------------------------------------------------
 // It reads only Calls in the forms the encoder writes — `f3 06`, an int plan id, tensor-id tuples
 // packed (`da`/`db`) or empty, a source that is None, a memo reference or a new memo tuple of
-// str/int/None, a seed that is None or an int, numbers that are a short tuple of floats — and stops at the first byte it does not read that
-// way. The Python decoder then goes on from the start of that record, so every WireError (and its
-// offset) is the Python decoder's own; the memo and the container allowance ("room") are left as
-// they were at that record's start.
+// str/int/None, a seed that is None or an int, numbers that are a tuple of floats — and stops at
+// the first byte it does not read that way. The Python decoder then goes on from the start of that
+// record, so every WireError (and its offset) is the Python decoder's own; the memo and the
+// container allowance ("room") are left as they were at that record's start.
 struct Reader {
     const unsigned char *body;
     Py_ssize_t end;
@@ -568,25 +569,36 @@ struct Reader {
         return t;
     }
 
-    // a Call's numbers: a short tuple (`8n`, n < 16) of floats (`c8` and 8 bytes each); a
-    // non-empty one is a container (room)
+    // a Call's numbers: a tuple of floats (`c8` and 8 bytes each), short (`8n`, n < 16) or long
+    // (`ce` + u32 n: a foreach call's, one per list element); a non-empty one is a container (room)
     PyObject *read_numbers() {
-        if (!has(1) || (body[p] & 0xF0) != 0x80) return nullptr;
-        Py_ssize_t n = body[p] & 0x0F;
-        if (!has(1 + 9 * n) || (n && room < 1)) return nullptr;
+        if (!has(1)) return nullptr;
+        Py_ssize_t n, head;
+        if ((body[p] & 0xF0) == 0x80) {
+            n = body[p] & 0x0F;
+            head = 1;
+        } else if (body[p] == 0xCE && has(5)) {
+            uint32_t count;
+            memcpy(&count, body + p + 1, 4);
+            n = (Py_ssize_t)count;
+            head = 5;
+        } else {
+            return nullptr;
+        }
+        if (n > (end - p) / 9 || !has(head + 9 * n) || (n && room < 1)) return nullptr;
         for (Py_ssize_t i = 0; i < n; ++i)
-            if (body[p + 1 + 9 * i] != 0xC8) return nullptr;
+            if (body[p + head + 9 * i] != 0xC8) return nullptr;
         PyObject *t = PyTuple_New(n);
         if (!t) return nullptr;
         for (Py_ssize_t i = 0; i < n; ++i) {
             double v;
-            memcpy(&v, body + p + 2 + 9 * i, 8);
+            memcpy(&v, body + p + head + 1 + 9 * i, 8);
             PyObject *o = PyFloat_FromDouble(v);
             if (!o) { Py_DECREF(t); return nullptr; }
             PyTuple_SET_ITEM(t, i, o);
         }
         if (n) room -= 1;
-        p += 1 + 9 * n;
+        p += head + 9 * n;
         return t;
     }
 

@@ -1,13 +1,13 @@
 """One planned call for a whole foreach list, kept across calls whose numbers change.
 
-torch.optim passes numbers that change every step (Adam's ``step_size`` list, a scheduled
+torch.optim passes floats that change every step (Adam's ``step_size`` list, a scheduled
 learning rate). A plan keyed by them would be planned again on every step, and planning a call
-over hundreds of tensors costs milliseconds (meta tensors of every element). The foreach rule
-does not look at the numbers (only at their types, which stay in the key), so the plan is kept
-under a key without them: when they change, only a new worker-side definition is sent (the same
-target, placements and redistributions, the new numbers in its arguments). A key keeps the
-definitions of its most recent number sets, so a step's calls with fixed numbers send nothing
-new, and the worker's plan table does not grow step after step.
+over hundreds of tensors costs milliseconds (meta tensors of every element). The foreach rules
+do not read the numbers (only their types, which stay in the key), so a float is keyed by its
+type and its worker definition holds a ``Number`` placeholder there, inside lists too: each
+``Call`` brings the floats of that call (``Call.numbers``, planner/numbers.py), and a step sends
+no new definition. Ints, bools and complex numbers keep their values in the key, as the
+dispatcher keys them (they do not change from step to step in torch.optim).
 """
 
 from __future__ import annotations
@@ -15,56 +15,15 @@ from __future__ import annotations
 import attrs
 import torch
 
-from ..ir.instructions import Slot
+from ..ir.instructions import Number
+from ..planner.cache import remember
 from ..planner.choose import common_mesh, plan_direct
-from ..planner.trees import substitute
+from ..planner.gathers import GatheringPlan
+from ..planner.numbers import rule_reads_no_values
 from ..tensor import DTensor
 
-_NUMBERS = (int, float, bool, complex)
+_BY_VALUE = (int, bool, complex)
 NOT_PLANNED = object()  # what run_foreach returns when none of the rule's choices fits
-
-
-# number variants whose worker definitions a key keeps: the calls of one optimizer step with
-# fixed numbers (betas, eps) stay defined, and a number that changes every step (Adam's step
-# sizes) takes over the definition of the least recently used variant instead of adding one
-VARIANTS = 16
-
-
-@attrs.define
-class ForeachPlan:
-    """The plan of one key and its worker definitions, one per set of numbers (most recent last)."""
-
-    plan: object  # DirectPlan of the first numbers
-    define: object  # its DefinePlan
-    pure: bool
-    variants: dict = attrs.field(factory=dict)  # numbers -> DirectPlan with its own plan id
-    pinned: set = attrs.field(factory=set)  # plan ids a recording used: a program may call them
-
-    def for_numbers(self, session, numbers: tuple, args, kwargs):
-        plan = self.variants.pop(numbers, None)
-        if plan is None:
-            plan = self._define(session, args, kwargs)
-        self.variants[numbers] = plan  # most recently used last
-        if session.is_recording:
-            self.pinned.add(plan.plan_id)
-        return plan
-
-    def _define(self, session, args, kwargs):
-        # the rule reads no numbers and has no per-rank arguments: the worker definition is the
-        # first one with the new arguments (tensors as slots, as the planner writes them). A
-        # definition sent with an id that exists replaces it for the calls after it (workers
-        # run the stream in order); ids a captured program may call are never replaced
-        plan_id = None
-        if len(self.variants) >= VARIANTS:
-            for old, plan in self.variants.items():
-                if plan.plan_id not in self.pinned:
-                    plan_id = self.variants.pop(old).plan_id
-                    break
-        t_args, t_kwargs = substitute(args, kwargs, Slot)
-        define = attrs.evolve(self.define, plan_id=plan_id if plan_id is not None else session.new_plan_id(),
-                              args=t_args, kwargs=t_kwargs)
-        session.define_plan(define, pure=self.pure)
-        return attrs.evolve(self.plan, plan_id=define.plan_id)
 
 
 def run_foreach(session, op, args, kwargs, rule):
@@ -73,20 +32,49 @@ def run_foreach(session, op, args, kwargs, rule):
     numbers: list = []
     key = ("foreach", op, _key(tuple(args), inputs, numbers), _key(tuple(kwargs.values()), inputs, numbers),
            tuple(kwargs))
-    numbers = tuple(numbers)
-    entry = session.plans.get(key)
-    if entry is None:
-        mesh, view = common_mesh(op, inputs)
-        plan = plan_direct(session, op, args, kwargs, inputs, rule, mesh, view)
+    plan = session.plans.get(key)
+    if plan is None:
+        if numbers and not rule_reads_no_values(rule):
+            # a rule that rewrites arguments per rank may move or read a number: by value
+            key = (key, tuple(map(repr, numbers)))  # repr: -0.0 and 0.0 differ
+            plan = session.plans.get(key)
         if plan is None:
-            return NOT_PLANNED
-        entry = session.plans[key] = ForeachPlan(plan, session.plan_names[plan.plan_id],
-                                                 plan.plan_id in session.pure_plans)
-        entry.variants[numbers] = plan
-        if session.is_recording:
-            entry.pinned.add(plan.plan_id)
-        return plan.run(session, args, kwargs, inputs)
-    return entry.for_numbers(session, numbers, args, kwargs).run(session, args, kwargs, inputs)
+            plan = _plan(session, op, args, kwargs, inputs, rule, numbers)
+            if plan is None:
+                return NOT_PLANNED
+            remember(session, key, plan)
+    # DirectPlan.run takes the Call's numbers from ``args`` at the plan's ``number_at``: here
+    # positions 0..n-1 of the flat numbers (the plan reads nothing else from its args)
+    return plan.run(session, numbers, {}, inputs)
+
+
+def _plan(session, op, args, kwargs, inputs, rule, numbers):
+    mesh, view = common_mesh(op, inputs)
+    plan = plan_direct(session, op, args, kwargs, inputs, rule, mesh, view)
+    if plan is None or not numbers:
+        return plan
+    direct = plan.plan if type(plan) is GatheringPlan else plan
+    if rule_reads_no_values(rule):
+        # send the definition again under its id with a Number at each float (the workers run
+        # the stream in order: the first Call finds this one); the rule wrote the call's own
+        # arguments, tensors as slots, the same on every rank
+        define = session.plan_names[direct.plan_id]
+        counter = iter(range(len(numbers)))
+        define = attrs.evolve(define, args=_numbered(define.args, counter),
+                              kwargs={k: _numbered(v, counter) for k, v in define.kwargs.items()})
+        session.define_plan(define, pure=direct.plan_id in session.pure_plans)
+        direct.number_at = tuple(range(len(numbers)))
+    return plan
+
+
+def _numbered(x, counter):
+    """``x`` with each float replaced by the next ``Number`` (in the order ``_key`` met them)."""
+    t = type(x)
+    if t is float:
+        return Number(next(counter))
+    if t is tuple or t is list:
+        return t(_numbered(a, counter) for a in x)
+    return x
 
 
 def _key(x, inputs: list, numbers: list):
@@ -96,16 +84,22 @@ def _key(x, inputs: list, numbers: list):
         return x._spec
     if t is tuple or t is list:
         key = []
-        for a in x:  # the elements of torch.optim's lists: DTensors, inline
-            if type(a) is DTensor:
+        for a in x:  # the elements of torch.optim's lists: DTensors and floats, inline
+            ta = type(a)
+            if ta is DTensor:
                 inputs.append(a)
                 key.append(a._spec)
+            elif ta is float:
+                numbers.append(a)
+                key.append(float)
             else:
                 key.append(_key(a, inputs, numbers))
         return tuple(key)
-    if t in _NUMBERS:
-        numbers.append(repr(x))  # exact for floats (-0.0 and 0.0 differ)
-        return t
+    if t is float:
+        numbers.append(x)
+        return float
+    if t in _BY_VALUE:
+        return (t, x)  # 1, 1.0 and True are equal keys otherwise
     if isinstance(x, torch.Tensor):
         inputs.append(x)
         return ("plain", tuple(x.shape), x.dtype)

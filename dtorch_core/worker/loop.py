@@ -36,7 +36,6 @@ from ..ir.instructions import (
     Slot,
     Stats,
     WorkerFailure,
-    fill_slots,
 )
 from ..mesh import DeviceMesh, root_coordinate
 from . import native
@@ -80,8 +79,8 @@ def on_device(x, device: torch.device):
 def _binder(args, kwargs):
     """A function (vals, numbers) -> (args, kwargs) with each Slot replaced by its input and each
     Number by the Call's number; fast for flat argument lists."""
-    nested = any(type(a) in (tuple, list) and _has_slot(a) for a in args) or any(
-        _has_slot(v) for v in kwargs.values()
+    nested = any(type(a) in (tuple, list) and _has_placeholder(a) for a in (*args, *kwargs.values())) or any(
+        type(v) is Slot for v in kwargs.values()
     )
     if not nested:
         positions = [(i, a.index) for i, a in enumerate(args) if type(a) is Slot]
@@ -103,15 +102,26 @@ def _binder(args, kwargs):
             return a, kw
 
         return bind
-    # numbers are only ever top-level arguments (planner/numbers.py)
-    return lambda vals, numbers=(): (fill_slots(args, vals), {k: fill_slots(v, vals) for k, v in kwargs.items()})
+    # lists of tensors, and of numbers (a foreach call's, ops/foreach_plan.py)
+    return lambda vals, numbers=(): (_fill(args, vals, numbers), {k: _fill(v, vals, numbers) for k, v in kwargs.items()})
 
 
-def _has_slot(x) -> bool:
-    if type(x) is Slot:
+def _fill(x, vals, numbers):
+    t = type(x)
+    if t is Slot:
+        return vals[x.index]
+    if t is Number:
+        return numbers[x.index]
+    if t is tuple or t is list:
+        return t([_fill(a, vals, numbers) for a in x])
+    return x
+
+
+def _has_placeholder(x) -> bool:
+    if type(x) is Slot or type(x) is Number:
         return True
     if type(x) in (tuple, list):
-        return any(_has_slot(a) for a in x)
+        return any(_has_placeholder(a) for a in x)
     return False
 
 

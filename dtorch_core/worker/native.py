@@ -71,9 +71,10 @@ def runner(local_plan: type, enabled: bool | None = None):
 
 def template(fn, args, kwargs: dict, seeded: bool):
     """The native call of a plan (``fn(*args, **kwargs)`` with each top-level ``Slot`` filled,
-    plus ``seed=`` when ``seeded``), or None where the Python binder must do it: a Slot inside a
-    list or tuple or among the keyword arguments, a keyword that is not a str, or ``seed`` given
-    twice. A top-level ``Number`` (positional or keyword) is filled from the Call's ``numbers``."""
+    plus ``seed=`` when ``seeded``), or None where the Python binder must do it: a Slot among the
+    keyword arguments, a Slot or Number inside a list or tuple (a foreach call's), a keyword that
+    is not a str, or ``seed`` given twice. A top-level ``Number`` (positional or keyword) is
+    filled from the Call's ``numbers``."""
     if _module is None:
         return None
     if type(args) not in (tuple, list) or type(kwargs) is not dict:
@@ -93,12 +94,12 @@ def template(fn, args, kwargs: dict, seeded: bool):
                 return None
             holes.append((i, -1 - a.index))  # the Call's numbers[index]
             argv.append(None)
-        elif _holds_slot(a):
+        elif _holds_placeholder(a):
             return None
         else:
             argv.append(a)
     for v in kwargs.values():
-        if type(v) is Slot or _holds_slot(v):
+        if type(v) is Slot or (type(v) is not Number and _holds_placeholder(v)):
             return None
         if type(v) is Number:
             if type(v.index) is not int or v.index < 0:
@@ -112,9 +113,9 @@ def template(fn, args, kwargs: dict, seeded: bool):
     return _module.Template(fn, tuple(argv), tuple(holes), tuple(kwargs), seeded)
 
 
-def _holds_slot(x) -> bool:
-    if type(x) is Slot:
+def _holds_placeholder(x) -> bool:
+    if type(x) is Slot or type(x) is Number:
         return True
     if type(x) in (tuple, list):
-        return any(_holds_slot(a) for a in x)
+        return any(_holds_placeholder(a) for a in x)
     return False
