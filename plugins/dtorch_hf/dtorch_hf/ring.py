@@ -6,7 +6,9 @@ head_dim) sharded on the sequence over the sp mesh dim, uneven lengths allowed (
 layout). Each stream is padded at its end to ``n * ceil(seq / n)`` (each rank pads its own shard:
 no data moves, see dtorch_core's constant_pad rule), and laid out as ``n`` blocks along a leading
 dim: rank i holds block i, the streams' blocks side by side, in the (batch, heads, tokens,
-head_dim) layout of the attention kernels with batch and block as one leading dim. Then ``n``
+head_dim) layout of the attention kernels with batch and block as one leading dim (see
+:func:`block_first` for their order: the one whose merge keeps every rank's blocks one
+contiguous run, so no layout of it gathers). Then ``n``
 steps: each rank attends its query block to the key/value block it holds (a kernel that returns
 the log-sum-exp: :func:`_attend`), merges the partial output with the running one through the
 log-sum-exp (online softmax, in fp32), and the key/value blocks move one rank round the ring (a
@@ -86,59 +88,82 @@ def ring_attention(queries, keys, values, mesh_dim: int, scale: float | None = N
     n = mesh.size(mesh_dim)
     lengths = [q.shape[SEQ] for q in queries]
     blocks = [-(-s // n) for s in lengths]
-    q, k, v = (torch.cat([_to_blocks(t, n) for t in ts], dim=3) for ts in (queries, keys, values))
+    order = (1, 0) if block_first(queries[0], mesh_dim) else (0, 1)
+    q, k, v = (torch.cat([_to_blocks(t, n, order) for t in ts], dim=3) for ts in (queries, keys, values))
+    block_dim = order.index(1)
     if attn_mask is None:
-        biases = _key_biases(block_positions(lengths, n), q.shape[0], q.dtype, mesh, q.flatten(0, 1).placements)
+        biases = _key_biases(block_positions(lengths, n), block_dim, q, mesh)
         live = None
     else:
         mask = attn_mask if isinstance(attn_mask, RingMask) else RingMask(attn_mask)
-        biases, live = mask.biases(lengths, q)
-    out = _RingAttention.apply(q, k, v, biases, scale)
+        biases, live = mask.biases(lengths, q, block_dim)
+    out = _RingAttention.apply(q, k, v, biases, scale, block_dim)
     if live is not None:
         out = torch.where(live, out, 0.0)  # rows with nothing to attend to: SDPA's 0
-    return [_from_blocks(o, s) for o, s in zip(out.split(blocks, dim=3), lengths)]
+    return [_from_blocks(o, s, order) for o, s in zip(out.split(blocks, dim=3), lengths)]
 
 
-def _to_blocks(x, n: int):
-    """(batch, seq, heads, dim) -> (batch, n, heads, ceil(seq / n), dim): block i is shard i.
-    Batch before block: where "cfg" splits the batch into rows over an earlier mesh dim, the
-    kernels' (batch x block) dim stays sharded over both (dtorch_core's view rule)."""
+def block_first(x, mesh_dim: int) -> bool:
+    """Whether the kernels' leading dim is (block, batch) rather than (batch, block), for a
+    (batch, seq, heads, dim) ``x`` sharded on the sequence over ``mesh_dim``. The kernels merge
+    the two dims, and dtorch_core keeps the merge sharded only where every rank's part of it is
+    one contiguous run. The block dim has one block per rank, so (block, batch) gives rank i
+    the run [i * batch, (i + 1) * batch): whole for any batch, and nested as dtorch_core nests
+    shards (in mesh-dim order) where a later mesh dim splits the batch. Where a mesh dim before
+    the "sp" one splits the batch ("cfg" first), the nesting wants (batch, block), contiguous
+    where each rank holds one batch row; with more rows per rank neither order is one run per
+    rank (that needs a strided placement dtorch_core does not have), and the merge gathers."""
+    mesh = x.device_mesh
+    return not any(p == Shard(0) and mesh.size(i) > 1 for i, p in enumerate(x.placements[:mesh_dim]))
+
+
+def _to_blocks(x, n: int, order: tuple):
+    """(batch, seq, heads, dim) -> (batch, n, heads, ceil(seq / n), dim), its first two dims in
+    ``order`` ((1, 0): block first): block i is shard i."""
     length = x.shape[SEQ]
     padded = n * -(-length // n)
     x = F.pad(x, (0, 0, 0, 0, 0, padded - length))
-    return x.unflatten(SEQ, (n, padded // n)).permute(0, 1, 3, 2, 4)
+    return x.unflatten(SEQ, (n, padded // n)).permute(*order, 3, 2, 4)
 
 
-def _from_blocks(x, length: int):
+def _from_blocks(x, length: int, order: tuple):
     """The inverse of :func:`_to_blocks`."""
-    x = x.permute(0, 1, 3, 2, 4).flatten(1, 2)
+    x = x.permute(*order, 3, 2, 4).flatten(1, 2)
     return F.pad(x, (0, 0, 0, 0, 0, length - x.shape[SEQ]))
 
 
-def _key_biases(positions, batch, dtype, mesh, placements) -> list | None:
-    """Per ring step, the additive key bias (batch * n, 1, 1, keys) of the key blocks each rank
-    holds then (0 on real keys, the dtype's minimum on padding; finite, so a block of padding
-    alone gives a log-sum-exp that the merge weighs to zero), laid out as the kernels' leading
-    dim (``placements``); None where nothing is padded. ``positions``: ring_mask.block_positions.
-    Built on the controller: it depends on the shapes alone (a constant under dt.compile)."""
+def merged_placements(x) -> list:
+    """Placements of ``x``'s first two dims merged into one (the kernels' leading dim), its
+    other dims dropped: where :func:`block_first` chose the order, a shard of either dim is a
+    shard of the merge."""
+    return [Shard(0) if p == Shard(0) or p == Shard(1) else Replicate() for p in x.placements]
+
+
+def _key_biases(positions, block_dim: int, q, mesh) -> list | None:
+    """Per ring step, the additive key bias (the kernels' leading dim, 1, 1, keys) of the key
+    blocks each rank holds then (0 on real keys, the dtype's minimum on padding; finite, so a
+    block of padding alone gives a log-sum-exp that the merge weighs to zero), laid out as the
+    kernels' leading dim; None where nothing is padded. ``positions``:
+    ring_mask.block_positions. Built on the controller: it depends on the shapes alone (a
+    constant under dt.compile)."""
     valid = positions >= 0
     if bool(valid.all()):
         return None
     n = valid.shape[0]
-    bias = torch.zeros(valid.shape, dtype=dtype).masked_fill(~valid, torch.finfo(dtype).min)
-    where = [Shard(0) if p == Shard(0) else Replicate() for p in placements]
+    bias = torch.zeros(valid.shape, dtype=q.dtype).masked_fill(~valid, torch.finfo(q.dtype).min)
+    where = merged_placements(q)
     out = []
     for step in range(n):
-        rolled = bias.roll(-step, 0)  # rank i holds block i + step
-        full = rolled[None, :, None, None, :].expand(batch, n, 1, 1, bias.shape[1]).flatten(0, 1).contiguous()
+        rolled = bias.roll(-step, 0)[:, None, None, None, :]  # rank i holds block i + step
+        full = rolled.movedim(0, block_dim).expand(*q.shape[:2], 1, 1, bias.shape[1]).flatten(0, 1).contiguous()
         out.append(dt.distribute_tensor(full, mesh, where))
     return out
 
 
-def _pass_on(x):
-    """``x`` (blocks along dim 2: (k/v, batch, block, ...)) with every rank holding its
-    neighbour's block (rank i gets rank i + 1's): one shift."""
-    return torch.roll(x, -1, 2)
+def _pass_on(x, block_dim: int):
+    """``x`` (k/v, then the blocks' leading dims, ...) with every rank holding its neighbour's
+    block (rank i gets rank i + 1's): one shift."""
+    return torch.roll(x, -1, 1 + block_dim)
 
 
 def _attend(q, k, v, bias, scale, needs_grad=True):
@@ -187,13 +212,13 @@ def _full_bias(bias, q, k):
 
 
 class _RingAttention(torch.autograd.Function):
-    """Attention of query blocks (batch, n, heads, L, dim) against every key/value block, passed
-    round the ring; forward and backward as the module docstring says. The kernels see batch
-    and block as one leading dim."""
+    """Attention of query blocks (the blocks' two leading dims, heads, L, dim) against every
+    key/value block, passed round the ring along ``block_dim``; forward and backward as the
+    module docstring says. The kernels see the two leading dims as one."""
 
     @staticmethod
-    def forward(ctx, q, k, v, biases, scale):
-        n = q.shape[1]
+    def forward(ctx, q, k, v, biases, scale, block_dim):
+        n = q.shape[block_dim]
         flat_q = q.flatten(0, 1)
         kv = torch.stack([k, v])
         out = lse = None
@@ -209,16 +234,17 @@ class _RingAttention(torch.autograd.Function):
                 out = out * torch.exp(lse - merged).unsqueeze(-1) + part * torch.exp(part_lse - merged).unsqueeze(-1)
                 lse = merged
             if step < n - 1:
-                kv = _pass_on(kv)
+                kv = _pass_on(kv, block_dim)
         out = out.to(q.dtype)
         ctx.save_for_backward(flat_q, k, v, out, lse)
-        ctx.biases, ctx.scale, ctx.kernel_state = biases, scale, state
+        ctx.biases, ctx.scale, ctx.kernel_state, ctx.block_dim = biases, scale, state, block_dim
         return out.unflatten(0, tuple(q.shape[:2]))
 
     @staticmethod
     def backward(ctx, grad_out):
         flat_q, k, v, out, lse = ctx.saved_tensors
-        n = k.shape[1]
+        block_dim = ctx.block_dim
+        n = k.shape[block_dim]
         kv = torch.stack([k, v])
         grad_kv = torch.zeros_like(kv, dtype=torch.float32)
         grad_q = None
@@ -231,7 +257,7 @@ class _RingAttention(torch.autograd.Function):
             grad_q = gq.float() if grad_q is None else grad_q + gq.float()
             grad_kv = grad_kv + torch.stack([gk, gv]).unflatten(1, tuple(k.shape[:2])).float()
             if step < n - 1:
-                kv = _pass_on(kv)
-            grad_kv = _pass_on(grad_kv)  # the last pass brings each block's gradient home
+                kv = _pass_on(kv, block_dim)
+            grad_kv = _pass_on(grad_kv, block_dim)  # the last pass brings each block's gradient home
         grad_q = grad_q.to(flat_q.dtype).unflatten(0, tuple(k.shape[:2]))
-        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
+        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None

@@ -2,16 +2,21 @@
 rank meets at each ring step.
 
 A mask (boolean, True = attend, or additive float; broadcastable to (batch, heads, queries,
-keys) of the joint sequence, the streams concatenated in the order they are given) is made a
-replicated DTensor and laid out on the workers, so nothing about its values is computed on the
-controller (it replays under dt.compile as an input, not a frozen constant):
+keys) of the joint sequence, the streams concatenated in the order they are given) is laid out
+so that each rank holds only the query rows of its own block (with every key), and no
+collective runs:
 
-- its rows and columns are taken in the block layout of ring.py (streams side by side, each
-  padded at its end; padded keys masked), so rank i's rows are its query block;
-- the key blocks are skewed so that ring step t's block sits at index t: at step t rank i holds
-  key block (i + t) % n;
-- the result is sharded as the queries are (batch over "cfg"/"dp", blocks over "sp", heads over
-  "tp" where the mask has a heads dim): from Replicate that is a local slice on each rank.
+- each stream's rows are sent to the ranks as that stream's queries are sharded (Shard on the
+  rows over "sp": rank i gets the rows of its block i, torch.chunk's layout; the batch over
+  "cfg"/"dp" and the heads over "tp" where the mask has those dims): ``dt.distribute_tensor``
+  of the controller's mask, or, for a DTensor mask, a redistribution (from Replicate, a local
+  slice). A mask with one row (key padding, broadcast over the queries) is what every query
+  needs, so it is replicated (sharded on batch/heads as above);
+- on the workers each stream's rows are padded to its block (padded queries are cropped
+  later) and the streams' row blocks put side by side, as ring.py lays out the queries;
+- the keys are taken in the block layout of ring.py (padded keys masked) and skewed so that
+  ring step t's block sits at index t (at step t rank i holds key block (i + t) % n): one
+  ``gather`` along the keys with a per-rank index, sharded as the rows are, so it is local.
 
 Each query row is then shifted by its largest entry over all keys (softmax does not change),
 so every row that can attend somewhere has an entry 0 and its log-sum-exp stays an ordinary
@@ -19,6 +24,10 @@ number; masked entries become the dtype's minimum (finite, so a block in which a
 masked gives a finite log-sum-exp that the merge weighs to exactly zero, and no NaN). A row
 masked at every key (all False, or all -inf) is a dead row: scaled_dot_product_attention gives
 0 there (its safe softmax), and so does the ring (``live`` is False there; ring.py zeroes it).
+
+Under dt.compile a plain mask argument is replicated where the step binds it (dtorch_core's
+rule for plain tensors), so there every rank receives the whole mask before its rows are kept;
+a mask that changes each call still replays (it is an input, not a frozen constant).
 """
 
 from __future__ import annotations
@@ -57,51 +66,104 @@ class RingMask:
         self.mask = mask
         self._laid_out = {}
 
-    def biases(self, lengths, q) -> tuple[list, object]:
-        key = (tuple(lengths), tuple(q.shape), tuple(q.placements), q.dtype, q.device_mesh)
+    def biases(self, lengths, q, block_dim: int) -> tuple[list, object]:
+        key = (tuple(lengths), tuple(q.shape), tuple(q.placements), q.dtype, q.device_mesh, block_dim)
         if key not in self._laid_out:
-            self._laid_out[key] = lay_out_mask(self.mask, block_positions(lengths, q.shape[1]), q)
+            self._laid_out[key] = lay_out_mask(self.mask, tuple(lengths), q, block_dim)
         return self._laid_out[key]
 
 
-def lay_out_mask(mask, positions: torch.Tensor, q) -> tuple[list, object]:
-    """Per ring step the additive bias (batch * n, heads or 1, queries or 1, keys) of the key
-    block each rank holds then, in ``q``'s dtype and laid out as the kernels' inputs; and
-    ``live`` (batch, n, heads or 1, queries or 1, 1), False on dead rows. ``q``: the query
-    blocks (batch, n, heads, block, head_dim); ``positions``: :func:`block_positions`."""
-    batch, n, heads = q.shape[:3]
-    total = int(positions.max()) + 1
-    bias = _as_bias(_broadcast_4d(_replicated(mask, q.device_mesh), batch, heads, total))
-    rows = bias.shape[2]
-    slots = torch.where(positions >= 0, positions, total).flatten()  # padding: the added column/row
-    bias = F.pad(bias, (0, 1), value=NEG_INF).index_select(3, slots).unflatten(3, (n, -1))
-    if rows > 1:
-        bias = F.pad(bias, (0, 0, 0, 0, 0, 1), value=0.0).index_select(2, slots).unflatten(2, (n, -1))
+def lay_out_mask(mask, lengths: tuple, q, block_dim: int) -> tuple[list, object]:
+    """Per ring step the additive bias (the kernels' leading dim, heads or 1, queries or 1,
+    keys) of the key block each rank holds then, in ``q``'s dtype and laid out as the kernels'
+    inputs; and ``live`` (q's two leading dims, heads or 1, queries or 1, 1), False on dead rows.
+    ``q``: the query blocks (two leading dims, batch and block, the block at ``block_dim``;
+    heads, block length, head_dim); ``lengths``: the streams' lengths."""
+    n, batch, heads = q.shape[block_dim], q.shape[1 - block_dim], q.shape[2]
+    mesh, total = q.device_mesh, sum(lengths)
+    mask = _broadcast_4d(mask, batch, heads, total)
+    row_dim = None if mask.shape[2] == 1 else 2
+    where = _mask_placements(q, block_dim, mask.shape, row_dim)
+    if row_dim is None:
+        # one row every query meets: each rank's query block gets a copy of it (a view)
+        bias = _as_bias(_placed(mask, mesh, where)).unsqueeze(2).expand(-1, -1, n, -1, -1)
+        bias = bias.redistribute(mesh, _mask_placements(q, block_dim, bias.shape, 2))
     else:
-        bias = bias.unsqueeze(2).expand(-1, -1, n, -1, -1, -1)
-    # (batch, heads, query block, rows, key block, keys) -> (batch, query block, step, heads, rows, keys)
-    bias = bias.permute(0, 2, 4, 1, 3, 5).flatten(1, 2)
-    skew = torch.tensor([i * n + (i + t) % n for i in range(n) for t in range(n)])
-    bias = bias.index_select(1, skew).unflatten(1, (n, n)).expand(batch, -1, -1, -1, -1, -1)
-    bias = bias.redistribute(q.device_mesh, _placements(q, keep_heads=bias.shape[3] > 1))
-    top = bias.amax(dim=(2, 5), keepdim=True)  # each query row's largest entry over every key
+        parts, start = [], 0
+        for length in lengths:  # each stream's rows, sharded as its queries are
+            rows = _as_bias(_placed(_rows(mask, start, length), mesh, where))
+            block = -(-length // n)
+            parts.append(F.pad(rows, (0, 0, 0, n * block - length), value=0.0).unflatten(2, (n, block)))
+            start += length
+        bias = torch.cat(parts, dim=3)  # (batch, heads, query block, rows, keys)
+    # the keys in ring.py's block layout, skewed per rank: padded keys are the added -inf column
+    bias = F.pad(bias, (0, 1), value=NEG_INF)
+    index = _skewed_keys(block_positions(lengths, n), total, mesh, where_rows=bias.placements)
+    bias = torch.gather(bias, 4, index.expand(*bias.shape[:4], -1)).unflatten(4, (n, -1))
+    top = bias.amax(dim=(4, 5), keepdim=True)  # each query row's largest entry over every key
     live = top > NEG_INF
     bias = (bias - torch.where(live, top, 0.0)).clamp_min(torch.finfo(q.dtype).min).to(q.dtype)
-    steps = [bias[:, :, t].flatten(0, 1).contiguous() for t in range(n)]
-    return steps, live.squeeze(2)
+    kernel = [2, 0] if block_dim == 0 else [0, 2]  # (query block, batch) or (batch, query block)
+    steps = []
+    for t in range(n):
+        step = bias[:, :, :, :, t].expand(batch, -1, -1, -1, -1).permute(*kernel, 1, 3, 4)
+        steps.append(step.redistribute(mesh, _kernel_placements(q, step.shape[2] > 1)).flatten(0, 1).contiguous())
+    live = live.squeeze(-1).permute(*kernel, 1, 3, 4)
+    return steps, live
 
 
-def _replicated(mask, mesh):
+def _mask_placements(q, block_dim: int, shape, row_dim) -> list:
+    """Placements of a (batch, heads, ...) mask tensor of ``shape`` for the query blocks ``q``:
+    the batch and heads shards of ``q`` where the mask has those dims (else they broadcast:
+    Replicate), and ``q``'s block shard (over "sp") on ``row_dim``, the dim of the mask that
+    holds the query rows or blocks (None: not sharded there)."""
+    out = []
+    for p in q.placements:
+        if p == Shard(1 - block_dim) and shape[0] > 1:
+            out.append(Shard(0))
+        elif p == Shard(block_dim) and row_dim is not None:
+            out.append(Shard(row_dim))
+        elif p == Shard(2) and shape[1] > 1:
+            out.append(Shard(1))
+        else:
+            out.append(Replicate())
+    return out
+
+
+def _kernel_placements(q, has_heads: bool) -> list:
+    """Placements of a step's bias (q's two leading dims, heads, rows, keys) before its leading
+    dims merge: q's shards of those dims, and its heads shard where the mask has heads."""
+    return [p if p == Shard(0) or p == Shard(1) or (p == Shard(2) and has_heads) else Replicate()
+            for p in q.placements]
+
+
+def _rows(mask, start: int, length: int):
+    """Rows ``start:start + length`` of a (batch, heads, queries, keys) mask (a view)."""
+    return mask.narrow(2, start, length)
+
+
+def _placed(mask, mesh, placements):
+    """``mask`` laid out as ``placements``: a plain tensor sends each rank only its part."""
     if isinstance(mask, dt.DTensor):
         if mask.device_mesh != mesh:
             raise ValueError("the attention mask is a DTensor of another mesh than the attention's inputs")
-        return mask.redistribute(mesh, [Replicate()] * mesh.ndim)
-    return dt.distribute_tensor(mask, mesh, [Replicate()] * mesh.ndim)
+        return mask.redistribute(mesh, placements)
+    return dt.distribute_tensor(mask, mesh, placements)
+
+
+def _skewed_keys(positions, total: int, mesh, where_rows) -> object:
+    """(1, 1, n, 1, n * key block) int64, sharded on its query-block dim as the bias rows are:
+    for rank i the joint-sequence positions of key blocks i, i + 1, ... (mod n), the order in
+    which the ring brings them; ``total`` (the added -inf column) on padding."""
+    n = positions.shape[0]
+    slots = torch.where(positions >= 0, positions, total)
+    index = torch.stack([slots.roll(-i, 0).flatten() for i in range(n)])[None, None, :, None, :]
+    return dt.distribute_tensor(index, mesh, [Shard(2) if p == Shard(2) else Replicate() for p in where_rows])
 
 
 def _broadcast_4d(mask, batch: int, heads: int, total: int):
     """``mask`` as (batch or 1, heads or 1, total or 1, total), as scaled_dot_product_attention
-    broadcasts it (right-aligned)."""
+    broadcasts it (right-aligned; a view)."""
     if mask.ndim > 4:
         raise ValueError(f"an attention mask has at most 4 dims (batch, heads, queries, keys), not {mask.ndim}")
     mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
@@ -119,18 +181,3 @@ def _as_bias(mask):
     if not mask.dtype.is_floating_point:
         raise TypeError(f"an attention mask is boolean or floating point, not {mask.dtype}")
     return mask.float()
-
-
-def _placements(q, keep_heads: bool) -> list:
-    """Placements of the (batch, query block, step, heads, rows, keys) bias from the query
-    blocks' (batch, block, heads, tokens, head_dim): batch and block shards kept, the heads
-    shard where the mask has heads (else it broadcasts over them: Replicate)."""
-    out = []
-    for p in q.placements:
-        if p == Shard(0) or p == Shard(1):
-            out.append(p)
-        elif p == Shard(2) and keep_heads:
-            out.append(Shard(3))
-        else:
-            out.append(Replicate())
-    return out
