@@ -36,7 +36,9 @@ sys.path.insert(0, HOOK_DIR)  # before dt.init: the workers take the controller'
 
 import _blocks
 import gpu_idle_trace
-from model_steps import DTYPES, Side, train_step
+from model_steps import DTYPES, Side, add_flush_options, set_flush_policy, train_step
+
+SEND = "dtorch.send"  # the controller's flush of its pending instructions
 
 
 def torch_window(side, steps: int) -> dict:
@@ -53,20 +55,50 @@ def torch_window(side, steps: int) -> dict:
     return gpu_idle_trace.summarise(prof)
 
 
-def dtorch_window(dt, side, steps: int, out: str, window: int) -> dict:
-    dt.memory_stats()  # opens the workers' window
-    for _ in range(steps):
-        side.step()
-    dt.memory_stats()  # closes it; each worker writes its summary after its reply
+def dtorch_window(dt, side, steps: int, out: str, window: int, stacks: bool = False):
+    """The worker's summary of ``steps`` steps, and the controller's aten ops and sends meanwhile."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from dtorch_core.controller.session import Session
+
+    flush = Session.flush
+
+    def traced_flush(self):
+        with record_function(SEND):
+            return flush(self)
+
+    Session.flush = traced_flush
+    try:
+        with profile(activities=[ProfilerActivity.CPU], with_stack=stacks) as prof:
+            dt.memory_stats()  # opens the workers' window
+            for _ in range(steps):
+                side.step()
+            with record_function(gpu_idle_trace.SYNC):
+                dt.memory_stats()  # closes it; each worker writes its summary after its reply
+    finally:
+        Session.flush = flush
     deadline = time.monotonic() + 60
     while not (found := sorted(glob.glob(os.path.join(out, f"window{window}-worker*.json")))):
         if time.monotonic() > deadline:
-            break
+            raise RuntimeError(f"no worker summary in {out} (did the workers import the hook?)")
         time.sleep(0.1)
-    if not found:
-        raise RuntimeError(f"no worker summary in {out} (did the workers import the hook?)")
     with open(found[0]) as f:
-        return json.load(f)
+        return json.load(f), gpu_idle_trace.cpu_events(prof)
+
+
+def controller_during(events: list, start: float, end: float, top: int = 3) -> str:
+    """What the controller ran while the GPU waited: its longest aten ops overlapping [start, end]
+    (a nested op counts inside its parent) and its sends there."""
+    inside = [e for e in events if e[1] > start and e[0] < end]
+    sends = [e for e in inside if e[2] == SEND]
+    ops = sorted((e for e in inside if e[2].startswith("aten::")), key=lambda e: e[0] - e[1])[:top]
+    text = ", ".join(f"{n[6:]} {b - a:.0f}" for a, b, n in ops)
+    # with --controller-stacks: the Python calls that span most of the gap, innermost first
+    calls = sorted((e for e in inside if ".py(" in e[2] and "threading.py" not in e[2]
+                    and e[1] - e[0] < 4 * (end - start)
+                    and min(e[1], end) - max(e[0], start) > 0.5 * (end - start)), key=lambda e: e[1] - e[0])
+    where = " < ".join(f"{n.rsplit('/', 1)[-1][:50]} {b - a:.0f}" for a, b, n in calls[:4])
+    return f"controller: {len(sends)} sends, longest ops (us) {text}" + (f"\n               in {where}" if where else "")
 
 
 def medians(summary: dict) -> dict:
@@ -79,7 +111,7 @@ def medians(summary: dict) -> dict:
     return row
 
 
-def print_rows(family, size, rows: dict, summaries: dict, top: int) -> None:
+def print_rows(family, size, rows: dict, summaries: dict, top: int, controller: list) -> None:
     for name, r in rows.items():
         causes = ", ".join(f"{c} {v / 1000:.2f}" for c, v in r["idle_by_cause_us"].items())
         print(f"{family:5s} {size:5s} {name:6s} | step {r['wall_us'] / 1000:7.2f} ms | busy "
@@ -89,7 +121,14 @@ def print_rows(family, size, rows: dict, summaries: dict, top: int) -> None:
     for name, summary in summaries.items():
         gaps = summary["steps"][len(summary["steps"]) // 2]["top_gaps"][:top]
         for g in gaps:
-            print(f"      {name:6s} gap {g['us']:8.1f} us  {g['cause']:27s} before {g['kernel']} (launched in {g['op']})")
+            print(f"      {name:6s} gap {g['us']:8.1f} us at {g['at_us'] / 1000:6.2f} ms  {g['cause']:27s} before "
+                  f"{g['kernel'][:40]} (launched in {g['op']})")
+            if name != "torch":
+                print("             " + controller_during(controller, g["start_us"] - 300, g["start_us"] + g["us"]))
+    if controller and summaries.get("eager"):
+        ends = [e[1] for e in controller if e[2] == gpu_idle_trace.SYNC]
+        worker_end = summaries["eager"]["steps"][-1]["begin_us"] + summaries["eager"]["steps"][-1]["wall_us"]
+        print(f"      clocks: the controller's last sync ended {ends[-1] - worker_end:.0f} us after the worker's")
 
 
 def main() -> None:
@@ -99,9 +138,13 @@ def main() -> None:
     parser.add_argument("--size", default=None, help="default large on cuda, tiny on cpu")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--top", type=int, default=10, help="largest gaps printed per side")
+    parser.add_argument("--top", type=int, default=16, help="largest gaps printed per side")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--controller-stacks", action="store_true",
+                        help="profile the controller's Python calls too (slower: shows what it did in a gap)")
+    add_flush_options(parser)
     args = parser.parse_args()
+    set_flush_policy(args.flush_batch, args.flush_interval, args.flush_first)
     device = args.device
     dtype = DTYPES["bf16" if device == "cuda" else "fp32"]
     size = args.size or ("large" if device == "cuda" else "tiny")
@@ -131,10 +174,10 @@ def main() -> None:
         side = Side("eager", dmodel, dbatches, loss_fn, dt.synchronize, step=train_step)
         for _ in range(args.warmup):
             side.step()
-        summaries["eager"] = dtorch_window(dt, side, args.steps, out, window)
+        summaries["eager"], controller = dtorch_window(dt, side, args.steps, out, window, args.controller_stacks)
         del side, dmodel, dbatches
         rows = {name: medians(s) for name, s in summaries.items()}
-        print_rows(family, size, rows, summaries, args.top)
+        print_rows(family, size, rows, summaries, args.top, controller)
         results[f"{family}/{size}"] = {"medians": rows, "summaries": summaries}
         sys.stdout.flush()
         if device == "cuda":

@@ -28,6 +28,18 @@ LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaun
             "cudaMemcpyAsync", "cudaMemsetAsync")
 
 
+def cpu_events(prof) -> list:
+    """(start us, end us, name) of the CPU events (aten ops, named ranges, Python functions when
+    profiled with stacks), by start; kineto's clock is the same in every process of the machine."""
+    out = []
+    for e in prof.profiler.kineto_results.events():
+        name = e.name()
+        if e.device_type().name == "CPU":
+            out.append((e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, name))
+    out.sort()
+    return out
+
+
 def summarise(prof, *, min_gap_us: float = 2.0, top: int = 12) -> dict:
     """Per step of the profiled window: GPU busy and idle time, idle split by cause, top gaps."""
     events = list(prof.profiler.kineto_results.events())
@@ -55,7 +67,7 @@ def summarise(prof, *, min_gap_us: float = 2.0, top: int = 12) -> dict:
     frame_starts = [f[0] for f in frames]
     op_starts = [o[0] for o in ops]
     steps = []
-    for (_, begin), (end, _) in itertools.pairwise(syncs):
+    for (_, begin), (_, end) in itertools.pairwise(syncs):
         ks = [k for k in kernels if begin <= k[0] < end]
         if not ks:
             continue
@@ -75,7 +87,7 @@ def summarise(prof, *, min_gap_us: float = 2.0, top: int = 12) -> dict:
                 causes[cause] += gap
                 j = bisect.bisect_right(op_starts, launch[0]) - 1 if launch else -1
                 op = ops[j][2] if j >= 0 else "?"
-                gaps.append((gap, cause, name[:60], op))
+                gaps.append((gap, cause, name[:60], op, last_end, last_end - begin))
             busy += stop - max(start, last_end) if stop > last_end else 0.0
             last_end = max(last_end, stop)
         gaps.sort(reverse=True)
@@ -87,7 +99,9 @@ def summarise(prof, *, min_gap_us: float = 2.0, top: int = 12) -> dict:
             "busy_us": busy,
             "idle_between_kernels_us": sum(g[0] for g in gaps),
             "idle_by_cause_us": causes,
-            "top_gaps": [{"us": round(g, 1), "cause": c, "kernel": k, "op": o} for g, c, k, o in gaps[:top]],
+            "begin_us": begin,
+            "top_gaps": [{"us": round(g, 1), "cause": c, "kernel": k, "op": o, "start_us": t, "at_us": round(at, 1)}
+                         for g, c, k, o, t, at in gaps[:top]],
         })
     return {"steps": steps}
 
