@@ -34,8 +34,7 @@ SHARDED_DIM = {"sp": 1, "tp": 2, "cfg": 0}
 # (mesh, stream lengths): 5 text tokens on 4 ranks are 2/2/1/0 (the last block all padding), 13
 # on 3 are 5/5/3, and both streams uneven on tp x sp and cfg x sp
 LAYOUTS = [("sp4", (5, 8)), ("sp3", (13,)), ("tp2xsp2", (7, 6)), ("cfg2xsp2", (5, 6))]
-# ring attention is sequence-parallel at batch 1, or one row per "cfg" rank (at a batch of 2 on
-# "sp" alone dtorch_core gathers where the kernels merge (batch, block): see the README)
+# batches > 1 on "sp" alone: tests/test_sp_batch.py
 
 
 def _mesh(name):
