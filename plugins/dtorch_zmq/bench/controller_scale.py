@@ -23,6 +23,7 @@ per-node work). Rows, per world size:
   B/op           batch bytes the controller sent per op (all nodes), B/op/node the same per node
   ops/batch      ops per batch the session flushed (each batch is one message per node)
   policy         the flush policy's batch size and timer interval for this many nodes
+  round trip ms  one op then ``dt.synchronize()`` (every stand-in answers), median of 5
 
 The runner's flush policy (``dtorch_zmq.runner.flush_policy_for``) grows batches and the timer
 with the node count past 32 nodes (256 ops or 2 ms up to there); ops/batch follows how fast the
@@ -135,6 +136,12 @@ def measure(world: int, ops: int, key: str, processes: int, node: int, cpus: str
         sent = endpoint.batch_bytes - sent
         messages = endpoint.batches_sent - messages
         nodes = len(current_session().runner.leaders)
+        trips = []
+        for _ in range(5):  # one small op, then a sync point: the policy's timer plays no part
+            tick = time.perf_counter()
+            x = x + 1
+            dt.synchronize()
+            trips.append(time.perf_counter() - tick)
         policy = current_session().runner.flush_policy
     finally:
         dt.shutdown()
@@ -144,7 +151,7 @@ def measure(world: int, ops: int, key: str, processes: int, node: int, cpus: str
     return {"world": world, "nodes": nodes, "policy": f"{policy.batch_size}/{policy.interval * 1e3:g}ms", "start s": started, "ctl CPU us/op": 1e6 * cpu / ops, "main thread us/op": 1e6 * main_cpu / ops,
             **{f"{k} us/op": v / 1e3 / ops for k, v in sorted(threads.items()) if k != "main"},
             "wall us/op": 1e6 * wall / ops, "B/op": sent / ops, "B/op/node": sent / ops / nodes,
-            "ops/batch": ops * nodes / max(1, messages)}
+            "ops/batch": ops * nodes / max(1, messages), "round trip ms": 1e3 * sorted(trips)[len(trips) // 2]}
 
 
 def main() -> int:
