@@ -45,7 +45,8 @@ def _forward(self, x):
 
 def keep_sequence_shards(model: nn.Module) -> None:
     """Make every ``nn.Linear`` of ``model`` run sequence-sharded batches as a batched matmul
-    (see the module docstring); other calls run as before."""
+    (see the module docstring); other calls run as before. A subclass with a forward of its own
+    (a quantized or adapter Linear) is left alone: its forward is not ``F.linear``."""
     for module in model.modules():
-        if isinstance(module, nn.Linear):
+        if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
             module.forward = types.MethodType(_forward, module)
