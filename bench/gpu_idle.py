@@ -144,7 +144,7 @@ def main() -> None:
                         help="profile the controller's Python calls too (slower: shows what it did in a gap)")
     add_flush_options(parser)
     args = parser.parse_args()
-    set_flush_policy(args.flush_batch, args.flush_interval, args.flush_first)
+    set_flush_policy(args.flush_batch, args.flush_interval, args.flush_first, args.flush_growth)
     device = args.device
     dtype = DTYPES["bf16" if device == "cuda" else "fp32"]
     size = args.size or ("large" if device == "cuda" else "tiny")

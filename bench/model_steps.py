@@ -44,13 +44,14 @@ import _blocks  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def set_flush_policy(batch_size=None, interval=None, first_batch=None) -> None:
+def set_flush_policy(batch_size=None, interval=None, first_batch=None, growth=None) -> None:
     """The process runner's batching (its FlushPolicy), to measure a choice; None keeps a value."""
     import attrs
 
     from dtorch_core.runners.process import ProcessRunner
 
-    changes = {k: v for k, v in dict(batch_size=batch_size, interval=interval, first_batch=first_batch).items()
+    changes = {k: v for k, v in dict(batch_size=batch_size, interval=interval, first_batch=first_batch,
+                                     growth=growth).items()
                if v is not None}
     ProcessRunner.flush_policy = attrs.evolve(ProcessRunner.flush_policy, **changes)
 
@@ -59,6 +60,7 @@ def add_flush_options(parser) -> None:
     parser.add_argument("--flush-batch", type=int, default=None, help="process runner: instructions per batch")
     parser.add_argument("--flush-first", type=int, default=None, help="process runner: first batch after a sync")
     parser.add_argument("--flush-interval", type=float, default=None, help="process runner: flush timer (s)")
+    parser.add_argument("--flush-growth", type=int, default=None, help="process runner: batch growth after a sync")
 
 
 def train_step(model, opt, loss_fn, batch):
@@ -234,7 +236,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     add_flush_options(parser)
     args = parser.parse_args()
-    set_flush_policy(args.flush_batch, args.flush_interval, args.flush_first)
+    set_flush_policy(args.flush_batch, args.flush_interval, args.flush_first, args.flush_growth)
     device = args.device
     dtype = DTYPES[args.dtype or ("bf16" if device == "cuda" else "fp32")]
     sizes = (args.sizes or ("small,large" if device == "cuda" else "small")).split(",")

@@ -98,8 +98,9 @@ class FlushPolicy:
     interval: float = 0.002  # timer period (s); 0: only size and sync points flush
     when_idle: bool = False  # timer flushes only after a tick with no new instruction
     # after a sync point the workers are idle: the first batch leaves at this size and each next
-    # one at 8x the last, up to batch_size (0: batch_size from the start)
+    # one at ``growth`` times the last, up to batch_size (0: batch_size from the start)
     first_batch: int = 0
+    growth: int = 8
 
 
 class Session:
@@ -120,6 +121,7 @@ class Session:
         self.batch_size = policy.batch_size
         self.first_batch = policy.first_batch or policy.batch_size
         self._flush_at = self.first_batch
+        self.flush_growth = policy.growth
         self.flush_when_idle = policy.when_idle
         flush_interval = policy.interval
         self.timeout = timeout
@@ -243,7 +245,7 @@ class Session:
             batch.append(Delete(tuple(freed)))
         if batch:
             self.runner.submit(batch)
-            self._flush_at = min(self._flush_at * 8, self.batch_size)
+            self._flush_at = min(self._flush_at * self.flush_growth, self.batch_size)
 
     def _flush_loop(self, interval: float) -> None:
         seen = -1
