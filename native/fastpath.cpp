@@ -11,7 +11,8 @@
 // that moves data, plain tensors, a closed session, inputs of several sessions, a shadowed emit
 // while dt.compile records) goes to the Python dispatcher, which builds, runs or raises exactly
 // as before; so results, errors and traces are the Python path's. Beside it: handle.cpp (the
-// Handle type), user_source.cpp (the op's source line), key_hash.h (the key's hash),
+// Handle type), user_source.cpp (the op's source line), plan_key.cpp and key_hash.h (the key
+// and its hash, the plan-cache lookup),
 // number_key.cpp (the keys of ops whose floats are keyed by type, their values going with the
 // Call) and encode_calls.cpp (the wire encoder's Calls and Deletes).
 #include <Python.h>
@@ -19,56 +20,25 @@
 #include <nanobind/nanobind.h>
 
 #include "encode_calls.h"
+#include "fastpath.h"
 #include "handle.h"
 #include "key_hash.h"
 #include "number_key.h"
+#include "plan_key.h"
 #include "ref.h"
 #include "user_source.h"
 #include "slots.h"
 
 namespace nb = nanobind;
 
+FastpathConfig cfg;
+PyObject *s_spec;
+
 namespace {
 
-// Objects handed over by configure(): strong references for the life of the process.
-struct Config {
-    PyObject *dtensor = nullptr;      // dtorch_core.tensor.DTensor
-    PyObject *tensor = nullptr;       // torch.Tensor (a plain tensor input takes the Python path)
-    PyObject *direct_plan = nullptr;  // dtorch_core.planner.plans.DirectPlan
-    PyObject *call = nullptr;         // dtorch_core.ir.instructions.Call
-    PyObject *make_wrapper = nullptr; // torch.Tensor._make_wrapper_subclass
-    PyObject *fallback = nullptr;     // dtorch_core.planner.dispatch.dispatch(func, args, kwargs)
-    PyObject *internal_code = nullptr;// dtorch_core.planner.source._internal_code (code -> bool)
-    PyObject *prefixes = nullptr;     // tuple of path prefixes of internal code (str.startswith)
-    PyObject *spec = nullptr;         // dtorch_core.spec.TensorSpec
-    PyObject *wrapper_kwnames = nullptr;
-    PyObject *empty_tuple = nullptr;
-    PyObject *empty_dict = nullptr;
-    PyObject *s_strides = nullptr, *s_dtype = nullptr, *s_device = nullptr;
-    // slots read and written by offset (-1: not a slot; then the attribute path is taken)
-    Py_ssize_t spec_hash = -1;        // TensorSpec._attrs_cached_hash (attrs' cache_hash)
-    Py_ssize_t spec_wrapper = -1;     // TensorSpec._native_wrapper
-    Py_ssize_t call_slots[6] = {-1, -1, -1, -1, -1, -1};  // Call's plan_id, inputs, outputs, source, seed, numbers
-    bool call_slotted = false;
-    bool known_hash = false;          // key hashes computed here equal Python's (checked at configure)
-    bool ready = false;
-};
-Config cfg;
-
-Py_hash_t spec_hash(PyObject *spec) {
-    if (cfg.spec_hash >= 0 && Py_TYPE(spec) == (PyTypeObject *)cfg.spec) {
-        PyObject *cached = slot_get(spec, cfg.spec_hash);
-        if (cached && PyLong_Check(cached)) {  // attrs keeps it in an int subclass
-            Py_hash_t h = PyLong_AsSsize_t(cached);
-            if (!(h == -1 && PyErr_Occurred())) return h == -1 ? -2 : h;  // as hash() returns it
-            PyErr_Clear();
-        }
-    }
-    return PyObject_Hash(spec);  // the first time: attrs computes and caches it
-}
 
 // Interned attribute names.
-PyObject *s_spec, *s_handle, *s_view, *s_session, *s_tid, *s_closed, *s_plans, *s_fast, *s_run,
+PyObject *s_handle, *s_view, *s_session, *s_tid, *s_closed, *s_plans, *s_fast, *s_run,
     *s_pending, *s_flush_at, *s_flush, *s_emit, *s_track_source, *s_next_seed, *s_tid_counter,
     *s_dict, *s_append, *s_plan_id, *s_inputs, *s_outputs, *s_source, *s_seed, *s_numbers, *s_view_state;
 
@@ -78,74 +48,6 @@ PyObject *intern(const char *name) {
     return s;
 }
 
-
-// The cache key of `x` (dispatch.py's _key_of): DTensor -> its spec (and `x` joins `inputs`),
-// tuple/list -> tuple of keys, float/int/bool -> (type, value), any other non-tensor -> itself;
-// and its hash in `*hash` (-1: unhashable, so no plan can be stored under it: the Python path
-// says what it does with it). A plain tensor (or a DTensor subclass) gives Key::python: the
-// Python dispatcher handles it.
-Key key_of(PyObject *x, PyObject *inputs, PyObject **out, Py_hash_t *hash) {
-    PyTypeObject *t = Py_TYPE(x);
-    if ((PyObject *)t == cfg.dtensor) {
-        if (PyList_Append(inputs, x) < 0) return Key::error;
-        *out = PyObject_GetAttr(x, s_spec);
-        if (!*out) return Key::error;
-        if ((*hash = spec_hash(*out)) == -1) PyErr_Clear();
-        return Key::ok;
-    }
-    if (t == &PyTuple_Type || t == &PyList_Type) {
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(x);
-        Ref tuple(PyTuple_New(n));
-        if (!tuple) return Key::error;
-        TupleHash h;
-        bool hashable = true;
-        for (Py_ssize_t i = 0; i < n; ++i) {
-            PyObject *item = nullptr;
-            Py_hash_t lane = -1;
-            Key k = key_of(PySequence_Fast_GET_ITEM(x, i), inputs, &item, &lane);
-            if (k != Key::ok) return k;
-            PyTuple_SET_ITEM(tuple.p, i, item);
-            if (lane == -1) hashable = false;
-            else h.add(lane);
-        }
-        *hash = hashable ? h.done() : -1;
-        *out = tuple.release();
-        return Key::ok;
-    }
-    if (t == &PyFloat_Type || t == &PyLong_Type || t == &PyBool_Type) {
-        *out = PyTuple_Pack(2, (PyObject *)t, x);
-        if (!*out) return Key::error;
-        TupleHash h;
-        h.add(PyObject_Hash((PyObject *)t));  // C hashes of a type and a number: they cannot fail
-        h.add(PyObject_Hash(x));
-        *hash = h.done();
-        return Key::ok;
-    }
-    int is_tensor = PyObject_IsInstance(x, cfg.tensor);
-    if (is_tensor < 0) return Key::error;
-    if (is_tensor) return Key::python;
-    Py_INCREF(x);
-    *out = x;
-    if ((*hash = PyObject_Hash(x)) == -1) PyErr_Clear();
-    return Key::ok;
-}
-
-// session.plans[key] (borrowed) or nullptr (a miss, or an unhashable key: no error set).
-PyObject *plan_for(PyObject *plans, PyObject *key, Py_hash_t hash) {
-    PyObject *plan;
-#if PY_VERSION_HEX < 0x030D0000
-    if (cfg.known_hash) {
-        if (hash == -1) return nullptr;
-        plan = _PyDict_GetItem_KnownHash(plans, key, hash);
-    } else
-#endif
-    {
-        (void)hash;
-        plan = PyDict_GetItemWithError(plans, key);
-    }
-    if (!plan) PyErr_Clear();
-    return plan;
-}
 
 // A new Call with its fields set, without running its __init__ (the frozen attrs Call's
 // __init__ only stores them). It holds numbers, tuples of numbers and a source, so it can be in

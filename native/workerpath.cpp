@@ -11,34 +11,25 @@
 // back with its position and Python records the WorkerFailure exactly as _call does.
 //
 // `read_calls` is the wire decoder's (dtorch_core/ir/wire/decode.py) reader of runs of Call
-// records; see its section below. Nothing here links libtorch, so the module builds against any
+// records (native/read_calls.cpp). Nothing here links libtorch, so the module builds against any
 // torch.
 #include <Python.h>
 #include <descrobject.h>
 #include <structmember.h>
 #include <nanobind/nanobind.h>
 
-#include <cstdint>
-#include <cstring>
 #include <vector>
+
+#include "workerpath.h"
 
 namespace nb = nanobind;
 
+WorkerConfig cfg;
+PyObject *empty_tuple;
+
 namespace {
 
-// Objects handed over by configure(): strong references for the life of the process.
-struct Config {
-    PyTypeObject *call = nullptr;        // dtorch_core.ir.instructions.Call
-    PyTypeObject *local_plan = nullptr;  // dtorch_core.worker.loop.LocalPlan
-    PyTypeObject *failure = nullptr;     // dtorch_core.ir.instructions.WorkerFailure
-    PyObject *tensor = nullptr;          // torch.Tensor
-    // byte offsets of the slotted fields read per op (attrs classes use __slots__)
-    Py_ssize_t plan_id = -1, inputs = -1, outputs = -1, source = -1, seed = -1, numbers = -1, native = -1;
-    bool ready = false;
-};
-Config cfg;
 PyObject *s_outstanding, *s_join_reads;
-PyObject *empty_tuple;
 
 // The field at `offset` of a slotted instance (borrowed; nullptr when unset).
 inline PyObject *slot(PyObject *obj, Py_ssize_t offset) {
@@ -426,256 +417,6 @@ PyObject *run_calls(PyObject *, PyObject *const *argv, Py_ssize_t nargs) {
 PyMethodDef run_calls_def = {"run_calls", (PyCFunction)(void (*)(void))run_calls, METH_FASTCALL,
                              "run_calls(batch, start, store, plans, streams) -> (position, exception or None, in_kernel)"};
 
-
-// ---------------------------------------------------------------------------------------------
-// read_calls: the wire decoder's Call records (dtorch_core/ir/wire/decode.py, docs/wire-format.md)
-// ---------------------------------------------------------------------------------------------
-// It reads only Calls in the forms the encoder writes — `f3 06`, an int plan id, tensor-id tuples
-// packed (`da`/`db`) or empty, a source that is None, a memo reference or a new memo tuple of
-// str/int/None, a seed that is None or an int, numbers that are a tuple of floats — and stops at
-// the first byte it does not read that way. The Python decoder then goes on from the start of that
-// record, so every WireError (and its offset) is the Python decoder's own; the memo and the
-// container allowance ("room") are left as they were at that record's start.
-struct Reader {
-    const unsigned char *body;
-    Py_ssize_t end;
-    Py_ssize_t p;
-    PyObject *memo;  // list
-    Py_ssize_t room;
-
-    bool has(Py_ssize_t n) const { return n >= 0 && p + n <= end; }
-
-    // an int in any of its forms; nullptr (no error set) when the bytes are not an int
-    PyObject *read_int() {
-        if (!has(1)) return nullptr;
-        unsigned char b = body[p];
-        long long v;
-        if (b < 0x80) {
-            v = b; p += 1;
-        } else if (b == 0xC4 && has(2)) {
-            v = (signed char)body[p + 1]; p += 2;
-        } else if (b == 0xC5 && has(3)) {
-            int16_t x; memcpy(&x, body + p + 1, 2); v = x; p += 3;
-        } else if (b == 0xC6 && has(5)) {
-            int32_t x; memcpy(&x, body + p + 1, 4); v = x; p += 5;
-        } else if (b == 0xC7 && has(9)) {
-            int64_t x; memcpy(&x, body + p + 1, 8); v = x; p += 9;
-        } else {
-            return nullptr;
-        }
-        return PyLong_FromLongLong(v);
-    }
-
-    // a tuple of tensor ids: `80` (empty), `da` (int32) or `db` (int64)
-    PyObject *read_ids() {
-        if (!has(1)) return nullptr;
-        unsigned char b = body[p];
-        if (b == 0x80) {
-            p += 1;
-            return PyTuple_New(0);
-        }
-        if ((b != 0xDA && b != 0xDB) || !has(2)) return nullptr;
-        Py_ssize_t k = body[p + 1], width = b == 0xDA ? 4 : 8;
-        if (!has(2 + width * k)) return nullptr;
-        PyObject *t = PyTuple_New(k);
-        if (!t) return nullptr;
-        const unsigned char *q = body + p + 2;
-        for (Py_ssize_t i = 0; i < k; ++i, q += width) {
-            long long v;
-            if (width == 4) { int32_t x; memcpy(&x, q, 4); v = x; } else { int64_t x; memcpy(&x, q, 8); v = x; }
-            PyObject *o = PyLong_FromLongLong(v);
-            if (!o) { Py_DECREF(t); return nullptr; }
-            PyTuple_SET_ITEM(t, i, o);
-        }
-        p += 2 + width * k;
-        return t;
-    }
-
-    // a memo reference (`cb` u8 / `cc` u32) to an entry that exists; with `str_only`, to a str
-    PyObject *read_ref(bool str_only) {
-        if (!has(1)) return nullptr;
-        unsigned char b = body[p];
-        Py_ssize_t i, size;
-        if (b == 0xCB && has(2)) {
-            i = body[p + 1]; size = 2;
-        } else if (b == 0xCC && has(5)) {
-            uint32_t x; memcpy(&x, body + p + 1, 4); i = x; size = 5;
-        } else {
-            return nullptr;
-        }
-        if (i >= PyList_GET_SIZE(memo)) return nullptr;
-        PyObject *v = PyList_GET_ITEM(memo, i);
-        if (str_only && !PyUnicode_CheckExact(v)) return nullptr;
-        p += size;
-        Py_INCREF(v);
-        return v;
-    }
-
-    // a new string (`a0|n` or `ca` u32 n): one container, a memo entry
-    PyObject *read_new_str() {
-        if (!has(1)) return nullptr;
-        unsigned char b = body[p];
-        Py_ssize_t n, at;
-        if (b >= 0xA0 && b < 0xC0) {
-            n = b & 0x1F; at = p + 1;
-        } else if (b == 0xCA && has(5)) {
-            uint32_t x; memcpy(&x, body + p + 1, 4); n = x; at = p + 5;
-        } else {
-            return nullptr;
-        }
-        if (n > end - at || room < 1) return nullptr;
-        PyObject *s = PyUnicode_DecodeUTF8((const char *)body + at, n, "surrogatepass");
-        if (!s) { PyErr_Clear(); return nullptr; }  // the Python decoder names the bad byte
-        if (PyList_Append(memo, s) < 0) { Py_DECREF(s); return nullptr; }
-        room -= 1;
-        p = at + n;
-        return s;
-    }
-
-    // a Call's source: None, a memo reference, or a new memo tuple (`dd` u8 n) of str/int/None
-    PyObject *read_source() {
-        if (!has(1)) return nullptr;
-        unsigned char b = body[p];
-        if (b == 0xC0) {
-            p += 1;
-            Py_INCREF(Py_None);
-            return Py_None;
-        }
-        if (b == 0xCB || b == 0xCC) return read_ref(false);
-        if (b != 0xDD || !has(2)) return nullptr;
-        Py_ssize_t n = body[p + 1];
-        if (n > end - (p + 2) || room < 1) return nullptr;
-        room -= 1;
-        p += 2;
-        PyObject *t = PyTuple_New(n);
-        if (!t) return nullptr;
-        for (Py_ssize_t i = 0; i < n; ++i) {
-            if (!has(1)) { Py_DECREF(t); return nullptr; }
-            unsigned char c = body[p];
-            PyObject *v;
-            if (c == 0xC0) {
-                p += 1; Py_INCREF(Py_None); v = Py_None;
-            } else if (c == 0xCB || c == 0xCC) {
-                v = read_ref(true);
-            } else if ((c >= 0xA0 && c < 0xC0) || c == 0xCA) {
-                v = read_new_str();
-            } else {
-                v = read_int();
-            }
-            if (!v) { Py_DECREF(t); return nullptr; }
-            PyTuple_SET_ITEM(t, i, v);
-        }
-        if (PyList_Append(memo, t) < 0) { Py_DECREF(t); return nullptr; }
-        return t;
-    }
-
-    // a Call's numbers: a tuple of floats (`c8` and 8 bytes each), short (`8n`, n < 16) or long
-    // (`ce` + u32 n: a foreach call's, one per list element); a non-empty one is a container (room)
-    PyObject *read_numbers() {
-        if (!has(1)) return nullptr;
-        Py_ssize_t n, head;
-        if ((body[p] & 0xF0) == 0x80) {
-            n = body[p] & 0x0F;
-            head = 1;
-        } else if (body[p] == 0xCE && has(5)) {
-            uint32_t count;
-            memcpy(&count, body + p + 1, 4);
-            n = (Py_ssize_t)count;
-            head = 5;
-        } else {
-            return nullptr;
-        }
-        if (n > (end - p) / 9 || !has(head + 9 * n) || (n && room < 1)) return nullptr;
-        for (Py_ssize_t i = 0; i < n; ++i)
-            if (body[p + head + 9 * i] != 0xC8) return nullptr;
-        PyObject *t = PyTuple_New(n);
-        if (!t) return nullptr;
-        for (Py_ssize_t i = 0; i < n; ++i) {
-            double v;
-            memcpy(&v, body + p + head + 1 + 9 * i, 8);
-            PyObject *o = PyFloat_FromDouble(v);
-            if (!o) { Py_DECREF(t); return nullptr; }
-            PyTuple_SET_ITEM(t, i, o);
-        }
-        if (n) room -= 1;
-        p += head + 9 * n;
-        return t;
-    }
-
-    // one Call record at p, or nullptr (p, memo and room then are whatever it reached)
-    PyObject *read_call() {
-        if (!has(2) || body[p] != 0xF3 || body[p + 1] != 6 || room < 1) return nullptr;
-        room -= 1;
-        p += 2;
-        PyObject *fields[6] = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
-        fields[0] = read_int();
-        if (fields[0]) fields[1] = read_ids();
-        if (fields[1]) fields[2] = read_ids();
-        if (fields[2]) fields[3] = read_source();
-        if (fields[3]) {
-            if (has(1) && body[p] == 0xC0) {
-                p += 1;
-                Py_INCREF(Py_None);
-                fields[4] = Py_None;
-            } else {
-                fields[4] = read_int();
-            }
-        }
-        if (fields[4]) fields[5] = read_numbers();
-        PyObject *call = fields[5] ? PyBaseObject_Type.tp_new(cfg.call, empty_tuple, nullptr) : nullptr;
-        if (!call) {
-            for (PyObject *f : fields) Py_XDECREF(f);
-            return nullptr;
-        }
-        Py_ssize_t offsets[6] = {cfg.plan_id, cfg.inputs, cfg.outputs, cfg.source, cfg.seed, cfg.numbers};
-        for (int i = 0; i < 6; ++i)
-            *reinterpret_cast<PyObject **>(reinterpret_cast<char *>(call) + offsets[i]) = fields[i];
-        return call;
-    }
-};
-
-// read_calls(body, pos, count, memo, room, out) -> (pos, room, calls): up to `count` Call records
-// from `pos` on appended to `out`; stops at the first record it does not read (see Reader).
-PyObject *read_calls(PyObject *, PyObject *const *argv, Py_ssize_t nargs) {
-    if (nargs != 6 || !PyBytes_CheckExact(argv[0]) || !PyList_CheckExact(argv[3]) || !PyList_CheckExact(argv[5])) {
-        PyErr_SetString(PyExc_TypeError, "read_calls(body: bytes, pos, count, memo: list, room, out: list)");
-        return nullptr;
-    }
-    if (!cfg.call) {
-        PyErr_SetString(PyExc_RuntimeError, "dtorch_core._workerpath: configure_calls() was not called");
-        return nullptr;
-    }
-    Reader r;
-    r.body = (const unsigned char *)PyBytes_AS_STRING(argv[0]);
-    r.end = PyBytes_GET_SIZE(argv[0]);
-    r.p = PyLong_AsSsize_t(argv[1]);
-    Py_ssize_t count = PyLong_AsSsize_t(argv[2]);
-    r.memo = argv[3];
-    r.room = PyLong_AsSsize_t(argv[4]);
-    if (PyErr_Occurred()) return nullptr;
-    if (r.p < 0) r.p = r.end;
-    PyObject *out = argv[5];
-    Py_ssize_t done = 0;
-    while (done < count) {
-        Py_ssize_t p0 = r.p, room0 = r.room, memo0 = PyList_GET_SIZE(r.memo);
-        PyObject *call = r.read_call();
-        if (!call) {
-            if (PyErr_Occurred()) return nullptr;  // out of memory: not a message problem
-            if (PyList_SetSlice(r.memo, memo0, PyList_GET_SIZE(r.memo), nullptr) < 0) return nullptr;
-            r.p = p0;
-            r.room = room0;
-            break;
-        }
-        int failed = PyList_Append(out, call);
-        Py_DECREF(call);
-        if (failed) return nullptr;
-        ++done;
-    }
-    return Py_BuildValue("(nnn)", r.p, r.room, done);
-}
-
-PyMethodDef read_calls_def = {"read_calls", (PyCFunction)(void (*)(void))read_calls, METH_FASTCALL,
-                              "read_calls(body, pos, count, memo, room, out) -> (pos, room, calls read)"};
 
 }  // namespace
 
