@@ -18,6 +18,7 @@ from dtorch_core.planner import native_dispatch
 
 from .helpers import DEVICE, WORLD_SIZE, assert_close, distribute, python_path
 from .test_native_worker import _decoded, _native_reader
+from .test_wire_native import _fastpath
 from .test_wire_native import check as check_both_encoders
 
 R = dt.Replicate()
@@ -107,6 +108,7 @@ def test_long_number_lists_change_every_call(runner, n, path):
         assert_close(d, p, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.skipif(_fastpath is None, reason="dtorch_core._fastpath is not built: nothing native to compare")
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 300])
 def test_number_tuples_of_any_length_cross_the_wire_the_same(n):
     numbers = tuple(0.5 * k - 3.0 for k in range(n))
