@@ -28,6 +28,7 @@ def test_batches_and_timer_grow_with_the_messages_past_a_small_mesh():
         assert policy.batch_size == round(base.batch_size * scale)
         assert policy.interval == pytest.approx(base.interval * scale)
         assert policy.first_batch == base.first_batch  # after a sync point the first batch still leaves small
+        assert policy.when_idle  # while the controller keeps issuing, only the size ends a batch
     largest = remote.flush_policy_for(remote.MAX_SCALE * remote.SMALL_MESH)
     assert remote.flush_policy_for(100 * remote.MAX_SCALE * remote.SMALL_MESH) == largest
 
