@@ -5,9 +5,9 @@ change to the user's code.
 the choice to torch (``foreach`` and ``fused`` both None, the defaults) steps with torch's fused
 kernel, as below: one worker call per group, step counts and an lr mirror on the workers. The
 for-loop and foreach paths compute bias corrections on the controller as Python numbers, new at
-every step, and a plan is keyed by its numbers: each step would define new worker plans (about
-1 ms each) that are kept for the session. An explicit ``foreach=True`` is kept as asked (and
-pays that). torch's own fused path needs no change either, except that its first step's state
+every step; a foreach call carries them per call (``Call.numbers``, ops/foreach_plan.py), so an
+explicit ``foreach=True``, kept as asked, defines no new worker plan after its first step, but
+issues more instructions than the fused call. torch's own fused path needs no change either, except that its first step's state
 is made here with a DTensor step count (torch would make a plain tensor on the handle's device).
 
 **Captured**: a non-capturable ``torch.optim.Adam`` keeps its step count in a CPU tensor and
