@@ -79,7 +79,7 @@ def on_device(x, device: torch.device):
 def _binder(args, kwargs):
     """A function (vals, numbers) -> (args, kwargs) with each Slot replaced by its input and each
     Number by the Call's number; fast for flat argument lists."""
-    nested = any(type(a) in (tuple, list) and _has_placeholder(a) for a in (*args, *kwargs.values())) or any(
+    nested = any(type(a) in (tuple, list) and native.holds_placeholder(a) for a in (*args, *kwargs.values())) or any(
         type(v) is Slot for v in kwargs.values()
     )
     if not nested:
@@ -115,14 +115,6 @@ def _fill(x, vals, numbers):
     if t is tuple or t is list:
         return t([_fill(a, vals, numbers) for a in x])
     return x
-
-
-def _has_placeholder(x) -> bool:
-    if type(x) is Slot or type(x) is Number:
-        return True
-    if type(x) in (tuple, list):
-        return any(_has_placeholder(a) for a in x)
-    return False
 
 
 class Worker(WorkerCollectives, WorkerPrograms):

@@ -94,12 +94,12 @@ def template(fn, args, kwargs: dict, seeded: bool):
                 return None
             holes.append((i, -1 - a.index))  # the Call's numbers[index]
             argv.append(None)
-        elif _holds_placeholder(a):
+        elif holds_placeholder(a):
             return None
         else:
             argv.append(a)
     for v in kwargs.values():
-        if type(v) is Slot or (type(v) is not Number and _holds_placeholder(v)):
+        if type(v) is Slot or (type(v) is not Number and holds_placeholder(v)):
             return None
         if type(v) is Number:
             if type(v.index) is not int or v.index < 0:
@@ -113,9 +113,11 @@ def template(fn, args, kwargs: dict, seeded: bool):
     return _module.Template(fn, tuple(argv), tuple(holes), tuple(kwargs), seeded)
 
 
-def _holds_placeholder(x) -> bool:
+def holds_placeholder(x) -> bool:
+    """Whether ``x`` is, or holds in its lists and tuples, a Slot or a Number (the worker's binder
+    asks this too)."""
     if type(x) is Slot or type(x) is Number:
         return True
     if type(x) in (tuple, list):
-        return any(_holds_placeholder(a) for a in x)
+        return any(holds_placeholder(a) for a in x)
     return False
