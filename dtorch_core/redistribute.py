@@ -48,6 +48,15 @@ def plan_redistribute(src: tuple, dst: tuple) -> tuple[Step, ...]:
             j != i and isinstance(p, Shard) and p.dim in dims for j in range(n) for p in (cur[j], dst[j])
         )
 
+    def nested_in_fixed_outer(i, dims):
+        # every other mesh dim sharding ``dims`` comes before i and stays as it is: the members of
+        # an i-group (equal coordinates on every other mesh dim) hold one and the same outer chunk,
+        # of one size however uneven, so the step runs on the local chunk as on a whole tensor
+        return not any(
+            isinstance(p, Shard) and p.dim in dims and (j > i or redo[j])
+            for j in range(n) if j != i for p in (cur[j], dst[j])
+        )
+
     for i in reversed(range(n)):
         if not redo[i]:
             continue
@@ -59,7 +68,7 @@ def plan_redistribute(src: tuple, dst: tuple) -> tuple[Step, ...]:
             isinstance(s, Shard)
             and isinstance(d, Shard)
             and s.dim != d.dim
-            and not sharded_elsewhere(i, {s.dim, d.dim})
+            and nested_in_fixed_outer(i, {s.dim, d.dim})
         ):
             cur[i] = d
             steps.append(Step("all_to_all", i, tuple(cur), dim=s.dim, dim2=d.dim))
