@@ -164,7 +164,7 @@ def main() -> None:
     import dtorch_core as dt
     from dtorch_core.api import current_session
 
-    dt.init(world_size=1, runner="process")
+    dt.init(world_size=1, runner="process", device_type=args.device)
     try:
         mesh = dt.init_device_mesh(args.device, (1,))
         stamps = Stamps(current_session())
