@@ -3,7 +3,11 @@
 Shards of one tensor dim nest in mesh-dim order, so steps that undo placements run from the last
 mesh dim to the first and steps that create placements run from the first to the last. A mesh dim
 whose placement stays the same is redone when an earlier mesh dim that shards the same tensor dim
-changes (its chunks would no longer line up).
+changes (its chunks would no longer line up). A Shard -> Shard change on one mesh dim is an
+all-to-all inside its groups where every other mesh dim sharding either tensor dim comes before
+it and is not redone (Ulysses on ("tp", "sp"): [Shard(heads), Shard(seq)] <-> [Shard(heads),
+Shard(heads)]): a group's members then hold the same outer chunk, so the all-to-all of their
+local chunks is exact, uneven sizes included; otherwise it is gathered and chunked again.
 """
 
 from __future__ import annotations
