@@ -228,7 +228,8 @@ class Session:
         # only append meanwhile, and only a flush (under the lock) takes entries out
         return list(map(collections.deque.popleft, itertools.repeat(queue, len(queue))))
 
-    def _flush_locked(self) -> None:
+    def _flush_locked(self, then=None) -> None:
+        # ``then``: one more instruction after everything pending (a request), in the same batch
         if self.closed:
             self._pending.clear()
             self._releases.clear()
@@ -243,6 +244,8 @@ class Session:
                 batch = mark_consumed(batch, freed)  # sources freed before they left: reused in place
         if freed:
             batch.append(Delete(tuple(freed)))
+        if then is not None:
+            batch.append(then)
         if batch:
             self.runner.submit(batch)
             self._flush_at = min(self._flush_at * self.flush_growth, self.batch_size)
@@ -387,9 +390,8 @@ class Session:
         with self._lock:
             self._request += 1
             rid = self._request
-            self._flush_locked()  # everything issued before the read, frees included, goes first
-            self._pending.append(make(rid))
-            self._flush_locked()
+            # everything issued before the read, frees included, goes first: in the same batch
+            self._flush_locked(make(rid))
         replies = self.runner.wait_replies(rid, count, self.timeout)
         self._flush_at = self.first_batch
         return replies
