@@ -11,7 +11,12 @@ shared memory (``--node-size``: workers per node; with the world in one node the
 sends one message per batch, which separates the session's own cost of a larger mesh from the
 per-node work). Rows, per world size:
 
-  start s        launching the stand-in processes until ``dt.init`` returned
+  start s        launching the stand-in processes until ``dt.init`` returned, of which
+  launch s       until the first HELLO arrived (the stand-ins' imports: one process imports and
+                 forks the others; ``--import-each`` starts each on its own, 16 torch imports)
+  hellos s       from the first HELLO to the last (every stand-in's ZMQ context and connection)
+  join s         from the last HELLO until ``dt.init`` returned (welcomes, followers opening
+                 their leader's shared-memory channels, every rank's READY)
   ctl CPU us/op  controller process CPU (main, flusher and I/O threads) per op, from the first of
                  ``--ops`` elementwise ops on a Shard(0) tensor (each a Call to every rank) until
                  ZMQ has every message (not the wait for the stand-ins that follows)
@@ -51,6 +56,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
+from _standin import node_blocks
 from dtorch_zmq.keys import write_key
 
 import dtorch_core as dt
@@ -66,19 +72,17 @@ def free_address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def launch(address: str, key: str, world: int, processes: int, node: int, cpus: str | None) -> list[subprocess.Popen]:
-    """Stand-in processes, each hosting whole nodes of ``node`` workers (on ``cpus`` if given)."""
-    nodes = -(-world // node)
-    per = -(-nodes // processes)
+def launch(address: str, key: str, world: int, processes: int, node: int, cpus: str | None,
+           import_each: bool = False) -> list[subprocess.Popen]:
+    """``processes`` stand-in processes, each hosting whole nodes of ``node`` workers (on ``cpus``
+    if given): forked from one that imported once, or (``import_each``) each started on its own."""
     env = dict(os.environ, DTORCH_FANOUT_RING_BYTES=str(64 << 10))
-    procs = []
-    for first_node in range(0, nodes, per):
-        first, end = first_node * node, min(world, (first_node + per) * node)
-        pin = ["taskset", "-c", cpus] if cpus else []
-        procs.append(subprocess.Popen([*pin, "nice", "-n", "5", sys.executable, os.path.join(HERE, "_standin.py"), "--address", address,
-                                       "--key-file", key, "--ranks", str(first), str(end), "--node-size", str(node)],
-                                      env=env, stdin=subprocess.DEVNULL))
-    return procs
+    pin = ["taskset", "-c", cpus] if cpus else []
+    standin = [*pin, "nice", "-n", "5", sys.executable, os.path.join(HERE, "_standin.py"), "--address", address,
+               "--key-file", key, "--node-size", str(node)]
+    blocks = node_blocks(0, world, node, processes) if import_each else [(0, world)]
+    return [subprocess.Popen([*standin, "--ranks", str(first), str(end), "--processes", str(1 if import_each else processes)],
+                             env=env, stdin=subprocess.DEVNULL) for first, end in blocks]
 
 
 def thread_cpu() -> dict[str, int]:
@@ -104,16 +108,19 @@ def thread_cpu() -> dict[str, int]:
     return out
 
 
-def measure(world: int, ops: int, key: str, processes: int, node: int, cpus: str | None) -> dict:
+def measure(world: int, ops: int, key: str, processes: int, node: int, cpus: str | None, import_each: bool) -> dict:
     address = free_address()
-    start = time.perf_counter()
-    procs = launch(address, key, world, processes, node, cpus)
+    start = time.monotonic()
+    procs = launch(address, key, world, processes, node, cpus, import_each)
     try:
         # dozens of stand-in workers share one process and its GIL (and on a loaded machine a
         # thread may wait many seconds for it): a 5 s heartbeat would call them lost
         dt.init(world_size=world, runner="remote", listen=address, key_file=key, startup_timeout=300,
                 heartbeat_timeout=SILENCE_S)
-        started = time.perf_counter() - start
+        started = time.monotonic()
+        hellos = sorted(c.hello_at for c in current_session().runner._conns.values())
+        split = {"launch s": hellos[0] - start, "hellos s": hellos[-1] - hellos[0], "join s": started - hellos[-1]}
+        started -= start
         mesh = dt.init_device_mesh("cpu", (world,))
         x = dt.distribute_tensor(torch.zeros(4 * world), mesh, [dt.Shard(0)])
         for _ in range(256):  # warm up (plans cached)
@@ -148,7 +155,7 @@ def measure(world: int, ops: int, key: str, processes: int, node: int, cpus: str
         codes = [p.wait(60) for p in procs]
     if codes != [0] * len(procs):  # stand-ins starved of their GIL miss the goodbye's grace: say so
         print(f"  (world {world}: stand-in processes exited with {codes}; 3 = a rank still busy 3 s after goodbye)")
-    return {"world": world, "nodes": nodes, "policy": f"{policy.batch_size}/{policy.interval * 1e3:g}ms", "start s": started, "ctl CPU us/op": 1e6 * cpu / ops, "main thread us/op": 1e6 * main_cpu / ops,
+    return {"world": world, "nodes": nodes, "policy": f"{policy.batch_size}/{policy.interval * 1e3:g}ms", "start s": started, **split, "ctl CPU us/op": 1e6 * cpu / ops, "main thread us/op": 1e6 * main_cpu / ops,
             **{f"{k} us/op": v / 1e3 / ops for k, v in sorted(threads.items()) if k != "main"},
             "wall us/op": 1e6 * wall / ops, "B/op": sent / ops, "B/op/node": sent / ops / nodes,
             "ops/batch": ops * nodes / max(1, messages), "round trip ms": 1e3 * sorted(trips)[len(trips) // 2]}
@@ -159,6 +166,8 @@ def main() -> int:
     parser.add_argument("--worlds", default="1,8,64,256,1024")
     parser.add_argument("--ops", type=int, default=2048)
     parser.add_argument("--processes", type=int, default=16, help="stand-in processes (each hosts whole nodes)")
+    parser.add_argument("--import-each", action="store_true",
+                        help="start each stand-in process on its own (each imports torch) instead of forking them from one")
     parser.add_argument("--node-size", type=int, default=8, help="stand-in workers per simulated node")
     parser.add_argument("--ops-per-batch", type=int, default=0, help="flush every N ops, no timer (0: the runner's policy)")
     parser.add_argument("--fixed-policy", action="store_true",
@@ -184,7 +193,7 @@ def main() -> int:
         key = os.path.join(tmp, "key")
         write_key(key)
         for world in (int(w) for w in args.worlds.split(",")):
-            rows.append(measure(world, args.ops, key, args.processes, args.node_size, standin_cpus))
+            rows.append(measure(world, args.ops, key, args.processes, args.node_size, standin_cpus, args.import_each))
             print("  ".join(f"{k} {v:,.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in rows[-1].items()),
                   flush=True)
     batching = (f"a batch every {args.ops_per_batch} ops" if args.ops_per_batch

@@ -6,7 +6,8 @@ Anything else is refused: logged with the peer's address, answered with ``REFUSE
 worker can say why it stops), and reported to ``on_refused``. Both ends ping each other every
 second; a worker silent for ``heartbeat_s`` is reported to ``on_lost``. A follower of a node
 (``node.py``) is *relayed*: its leader's connection carries its traffic and reports it ``LOST``
-(a follower silent or gone on its node); a lost leader makes its followers lost too.
+(a follower silent or gone on its node); a lost leader makes its followers lost too. A leader's
+``NODE_UP`` (its followers' channels exist) goes to ``on_node_up``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Connection:
     recv_seq: int = 1  # the HELLO was 0
     send_seq: int = 0
     last_seen: float = 0.0
+    hello_at: float = 0.0  # when its HELLO arrived (time.monotonic)
     credit: Credit = attrs.field(factory=Credit)
     lost: bool = False
     node: str = ""  # what the worker reported (DTORCH_NODE_ID, else its host name)
@@ -47,14 +49,15 @@ class Connection:
 
 class ControllerEndpoint:
     """Binds ``address``; calls ``on_hello(conn)``, ``on_reply(conn, data)``,
-    ``on_lost(conn, reason)`` and ``on_refused(peer, reason)`` from its I/O thread."""
+    ``on_lost(conn, reason)``, ``on_refused(peer, reason)`` and ``on_node_up(conn)`` from its I/O thread."""
 
     def __init__(self, address: str, key: bytes, world_size: int, *, on_hello, on_reply, on_lost,
-                 on_refused, heartbeat_s: float = 5.0):
+                 on_refused, on_node_up=None, heartbeat_s: float = 5.0):
         self._mac = fr.Mac(key)
         self._world_size = world_size
         self._on_hello, self._on_reply = on_hello, on_reply
         self._on_lost, self._on_refused = on_lost, on_refused
+        self._on_node_up = on_node_up
         self.heartbeat_s = heartbeat_s
         self.by_identity: dict[bytes, Connection] = {}
         self.by_rank: dict[int, Connection] = {}
@@ -119,6 +122,8 @@ class ControllerEndpoint:
             conn.credit.taken_upto(int.from_bytes(fr.joined(parts), "little"))
         elif kind == fr.LOST:
             self._follower_lost(conn, parts)
+        elif kind == fr.NODE_UP and self._on_node_up is not None:
+            self._on_node_up(conn)
 
     def _follower_lost(self, leader: Connection, parts) -> None:
         try:
@@ -147,7 +152,8 @@ class ControllerEndpoint:
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise fr.FrameError(f"malformed hello ({exc})") from None
         self._seen_nonces.add(nonce)
-        conn = Connection(identity, nonce, rank, _peer(body), pid, host, last_seen=time.monotonic(), node=node,
+        now = time.monotonic()
+        conn = Connection(identity, nonce, rank, _peer(body), pid, host, last_seen=now, hello_at=now, node=node,
                           shm=shm, native=native)
         if not 0 <= rank < self._world_size or rank in self.by_rank:
             why = (f"rank {rank} is out of range for world size {self._world_size}"

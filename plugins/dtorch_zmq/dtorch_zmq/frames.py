@@ -28,7 +28,7 @@ import hashlib
 import hmac
 import struct
 
-MAGIC = b"DTZ2"  # DTZ1: the layout before head frames ([header, *parts, mac])
+MAGIC = b"DTZ3"  # DTZ2: before NODE_UP (a follower was welcomed with its leader); DTZ1: before head frames
 HEADER = struct.Struct("<4sBQ16s")
 MAC_BYTES = 32
 HEAD_BYTES = HEADER.size + MAC_BYTES  # the head frame before its inline part
@@ -47,8 +47,9 @@ PING = 6  # either way: still alive
 REFUSED = 7  # controller -> worker, unauthenticated: why its frames were refused
 NODE_BATCH = 8  # controller -> node leader: a batch with per-rank parts (fanout.node_frames)
 LOST = 9  # node leader -> controller: JSON {rank, reason}: one of its followers is lost
+NODE_UP = 10  # node leader -> controller: its followers' channels exist (the followers' WELCOMEs may go)
 KIND_NAMES = {HELLO: "hello", WELCOME: "welcome", BATCH: "batch", REPLY: "reply", CREDIT: "credit",
-              PING: "ping", REFUSED: "refused", NODE_BATCH: "node batch", LOST: "lost"}
+              PING: "ping", REFUSED: "refused", NODE_BATCH: "node batch", LOST: "lost", NODE_UP: "node up"}
 
 _LEN = struct.Struct("<Q")
 

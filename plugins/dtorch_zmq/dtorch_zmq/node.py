@@ -5,8 +5,11 @@ controller answers once all have, and each ``WELCOME`` names the worker's node: 
 lowest rank of the node) gets its followers' ranks, pids and the names of two shared-memory
 channels per follower (random, sent only inside the authenticated ``WELCOME``; the rings are
 mode 0600 and their names are unlinked once both ends are open, so only the processes the
-controller welcomed can hold them). A follower opens its two channels and closes its ZMQ
-connection: from then on the leader's connection carries the node's traffic.
+controller welcomed can hold them). The leader makes the channels and says ``NODE_UP``; only
+then are its followers welcomed (so none polls for channels that do not exist yet: at 512
+workers on a loaded machine, hundreds of followers retrying held their leaders' GIL for tens
+of seconds). A follower opens its two channels and closes its ZMQ connection: from then on the
+leader's connection carries the node's traffic.
 
 - Down (leader -> follower): batches as the leader's I/O thread receives them (the same bytes
   for every follower, or the common batch with the follower's own rank part, ``fanout.py``),

@@ -13,8 +13,9 @@ PrefixStore with that prefix, and the store closes at ``dt.shutdown()``. (A TCPS
 authentication of its own: what it holds is rendezvous data only, under an unguessable prefix.)
 
 One copy per node (``fanout=True``, the default; ``DTORCH_FANOUT=0`` turns it off): the
-``WELCOME`` messages go out once every worker said hello, each naming the worker's node, and every
-batch is encoded once and sent once per node, to its leader (``fanout.py``, ``node.py``).
+``WELCOME`` messages go out once every worker said hello, each naming the worker's node (a
+leader's at once, its followers' when the leader says their channels exist, ``NODE_UP``), and
+every batch is encoded once and sent once per node, to its leader (``fanout.py``, ``node.py``).
 """
 
 from __future__ import annotations
@@ -121,9 +122,10 @@ class RemoteRunner(Runner):
         self._conns: dict = {}
         self.fanout = setting("fanout", fanout, "DTORCH_FANOUT", True, "flag")
         self.leaders: list | None = None  # with fanout: the connection of each node's leader, once welcomed
+        self._held: dict = {}  # a leader's rank: its followers' WELCOMEs, sent at its NODE_UP
         self.endpoint = ControllerEndpoint(listen, frame_key(key), world_size, on_hello=self._hello,
                                            on_reply=self._reply_frame, on_lost=self._lost,
-                                           on_refused=self._refusal, heartbeat_s=beat)
+                                           on_refused=self._refusal, on_node_up=self._node_up, heartbeat_s=beat)
         self.address = self.endpoint.address
         try:
             if agents:
@@ -202,9 +204,23 @@ class RemoteRunner(Runner):
             self.endpoint.send(conn, fr.WELCOME, [json.dumps(dict(self._welcome, rank=conn.rank)).encode()])
         elif everyone:  # the nodes are known once every worker said where it runs
             self.leaders = [self._conns[node[0]] for node in node_groups(self._conns)]
+            now = []
             for rank, place in node_places(self._conns).items():
-                welcome = dict(self._welcome, rank=rank, node=place)
-                self.endpoint.send(self._conns[rank], fr.WELCOME, [json.dumps(welcome).encode()])
+                message = (self._conns[rank], [json.dumps(dict(self._welcome, rank=rank, node=place)).encode()])
+                if place["leader"] == rank:
+                    now.append(message)
+                else:  # a follower opens its leader's channels at once: welcomed once they exist
+                    self._held.setdefault(place["leader"], []).append(message)
+            self._welcome_all(now)
+
+    def _node_up(self, conn) -> None:
+        """A leader made its followers' channels (``NODE_UP``): their WELCOMEs go now (I/O thread)."""
+        self._welcome_all(self._held.pop(conn.rank, ()))
+
+    def _welcome_all(self, messages) -> None:
+        for conn, parts in messages:
+            self.endpoint.send(conn, fr.WELCOME, parts, wake=False)
+        self.endpoint.loop.wake()
 
     def _reply_frame(self, conn, data) -> None:
         try:

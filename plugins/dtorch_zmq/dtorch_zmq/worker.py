@@ -246,6 +246,8 @@ def connect(address: str, key: bytes, rank: int, silence_s: float, connect_s: fl
         if place["leader"] == rank:
             leader = NodeLeader(rank, place["followers"], endpoint.send, float(config["heartbeat_s"]),
                                 float(config["timeout"]), spin)
+            if leader.followers:  # their channels exist: the controller welcomes them now
+                endpoint.send(fr.NODE_UP, [b""])
             leader.start()
             endpoint.node = leader  # only now: the I/O thread ticks it
             return endpoint, config
