@@ -128,9 +128,10 @@ def _serve(config: dict) -> int:
     worker = Worker(rank, device, plugins.registry("kernels"), exchange, reply, streams)
     reply(Reply(READY, rank, value=None))
     log.debug("worker ready")
+    report_drain = bool(config.get("report_drain")) and streams.reports_drain and hasattr(rx, "set_hungry")
     while True:
         try:
-            data = rx.recv(None)
+            data = next_frame(rx, streams) if report_drain else rx.recv(None)
         except Exception as exc:  # the controller closed the channel: nothing left to do
             log.debug("channel closed", error=repr(exc))
             if os.getppid() != config["parent_pid"]:
@@ -148,6 +149,27 @@ def _serve(config: dict) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+DRAIN_POLL_S = 20e-6  # how often an idle worker asks its device whether it has caught up
+
+
+def next_frame(rx, streams):
+    """The next batch frame from ``rx``; while none is there, watch the device, and once it has
+    run everything it was given raise the channel's hungry flag, so that the controller sends
+    what it holds at once (runners/process.py: flush on drain)."""
+    from .transport.base import ChannelTimeoutError
+
+    data = rx.try_recv()
+    if data is not None:
+        return data
+    while not streams.drained():
+        try:
+            return rx.recv(DRAIN_POLL_S)
+        except ChannelTimeoutError:
+            pass
+    rx.set_hungry()
+    return rx.recv(None)
 
 
 def run_frame(worker, streams, data, rank: int, reply, decode=None) -> None:

@@ -17,6 +17,8 @@
 // Call) and encode_calls.cpp (the wire encoder's Calls and Deletes).
 #include <Python.h>
 #include <structmember.h>
+
+#include <atomic>
 #include <nanobind/nanobind.h>
 
 #include "encode_calls.h"
@@ -40,7 +42,8 @@ namespace {
 // Interned attribute names.
 PyObject *s_handle, *s_view, *s_session, *s_tid, *s_closed, *s_plans, *s_fast, *s_run,
     *s_pending, *s_flush_at, *s_flush, *s_emit, *s_track_source, *s_next_seed, *s_tid_counter,
-    *s_dict, *s_append, *s_plan_id, *s_inputs, *s_outputs, *s_source, *s_seed, *s_numbers, *s_view_state;
+    *s_dict, *s_append, *s_plan_id, *s_inputs, *s_outputs, *s_source, *s_seed, *s_numbers, *s_view_state,
+    *s_hungry_words;
 
 PyObject *intern(const char *name) {
     PyObject *s = PyUnicode_InternFromString(name);
@@ -100,6 +103,19 @@ PyObject *wrapper_args(PyObject *spec, PyObject *shape, PyObject *stride, PyObje
     if (!both) return nullptr;
     slot_set(spec, cfg.spec_wrapper, both.p);
     return both.p;  // the spec holds it
+}
+
+// Session._hungry_words: the addresses of the workers' hungry flags (shared-memory words of
+// their channels, see native/shm_channel.h), or an empty tuple. A worker that has taken every
+// batch and whose device ran dry raises its flag; the pending calls then go out at once.
+bool any_hungry(PyObject *words) {
+    if (!PyTuple_CheckExact(words)) return false;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(words); ++i) {
+        auto *word = static_cast<std::atomic<uint32_t> *>(PyLong_AsVoidPtr(PyTuple_GET_ITEM(words, i)));
+        if (word && word->load(std::memory_order_relaxed)) return true;
+    }
+    PyErr_Clear();  // a malformed entry reads as "not hungry"
+    return false;
 }
 
 // ops served here, and ops handed to the Python dispatcher (for tests and benchmarks)
@@ -220,7 +236,9 @@ PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs, PyObje
         if (waiting < 0) return nullptr;
         Py_ssize_t limit = PyLong_AsSsize_t(flush_at.p);
         if (limit == -1 && PyErr_Occurred()) return nullptr;
-        if (waiting >= limit) {
+        Ref words(PyObject_GetAttr(session, s_hungry_words));
+        if (!words) return nullptr;
+        if (waiting >= limit || any_hungry(words.p)) {
             Ref f(PyObject_CallMethodNoArgs(session, s_flush));
             if (!f) return nullptr;
         }
@@ -361,7 +379,7 @@ NB_MODULE(_fastpath, m) {
     s_tid_counter = intern("_tid"); s_dict = intern("__dict__"); s_append = intern("append");
     s_plan_id = intern("plan_id"); s_inputs = intern("inputs"); s_outputs = intern("outputs");
     s_source = intern("source"); s_seed = intern("seed"); s_numbers = intern("numbers");
-    s_view_state = intern("_view_state");
+    s_view_state = intern("_view_state"); s_hungry_words = intern("_hungry_words");
 
     m.def("configure", [](nb::object dtensor, nb::object tensor, nb::object direct_plan, nb::object call,
                           nb::object make_wrapper, nb::object fallback, nb::dict internal_code, nb::tuple prefixes,

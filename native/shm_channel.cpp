@@ -146,6 +146,27 @@ nb::object ShmChannel::try_recv() {
   return nb::none();
 }
 
+void ShmChannel::set_hungry() {
+  if (writer_) throw UsageError("this end of channel " + name_ + " sends; only the receiving end is hungry");
+  std::lock_guard<std::mutex> lk(mu_);
+  ensure_open_locked();
+  self().hungry.store(1, std::memory_order_release);
+}
+
+bool ShmChannel::peer_hungry() {
+  if (!writer_) throw UsageError("this end of channel " + name_ + " receives; ask the sending end");
+  std::lock_guard<std::mutex> lk(mu_);
+  ensure_open_locked();
+  return peer().hungry.load(std::memory_order_acquire) != 0;
+}
+
+uintptr_t ShmChannel::hungry_word() {
+  if (!writer_) throw UsageError("this end of channel " + name_ + " receives; ask the sending end");
+  std::lock_guard<std::mutex> lk(mu_);
+  ensure_open_locked();
+  return reinterpret_cast<uintptr_t>(&peer().hungry);
+}
+
 void ShmChannel::close() {
   mark_closed();
   nb::gil_scoped_release release;
@@ -233,6 +254,14 @@ NB_MODULE(_native, m) {
       .def("close", &ShmChannel::close, "Close this end; the peer's waits end with an error.")
       .def("expect_peer", &ShmChannel::expect_peer, "pid"_a,
            "Watch process `pid` as the other end before it has opened the channel.")
+      .def("set_hungry", &ShmChannel::set_hungry,
+           "Receiving end: everything is taken and this end's device has run dry (cleared by "
+           "the next message either way).")
+      .def("peer_hungry", &ShmChannel::peer_hungry,
+           "Sending end: whether the receiver said it is hungry since the last send.")
+      .def("hungry_word", &ShmChannel::hungry_word,
+           "Sending end: the address of the receiver's hungry flag (a 32-bit word), valid until "
+           "this end is closed.")
       .def_prop_ro("closed", &ShmChannel::closed)
       .def_prop_ro("name", &ShmChannel::name)
       .def_prop_ro("capacity", &ShmChannel::capacity)

@@ -39,7 +39,7 @@ using namespace nb::literals;
 namespace dtorch_shm {
 
 constexpr uint32_t kMagic = 0x48435444u;  // "DTCH"
-constexpr uint32_t kLayoutVersion = 2;
+constexpr uint32_t kLayoutVersion = 3;
 constexpr uint64_t kHeaderBytes = 4096;
 constexpr uint64_t kFrameHeader = 8;
 constexpr uint64_t kMinCapacity = 4096;
@@ -63,6 +63,10 @@ struct alignas(64) Side {
   std::atomic<uint32_t> waiting;   // 1 while this side sleeps (or is about to) on the other's seq
   std::atomic<uint32_t> closed;    // 1 once this side called close()
   std::atomic<int32_t> pid;        // process holding this side (0: not opened yet)
+  // reader line only: 1 while the reader has taken every message and its device has run dry
+  // (set by the reader, cleared by the writer's next send and the reader's next take); the
+  // controller reads it to send what it holds at once instead of waiting for a fuller batch
+  std::atomic<uint32_t> hungry;
 };
 
 struct Header {
@@ -205,6 +209,13 @@ class ShmChannel {
 
   // Bytes published and not yet consumed (a diagnostic; racy by nature).
   uint64_t pending();
+
+  // Reader: say that this end has taken everything and its device has run dry (see Side::hungry).
+  void set_hungry();
+  // Writer: whether the reader said so since the last send; and the address of that word, for
+  // the controller's native hot path (valid until this end is closed).
+  bool peer_hungry();
+  uintptr_t hungry_word();
 
  private:
   // ------------------------------------------------------------------------------------------

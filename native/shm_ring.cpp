@@ -182,6 +182,7 @@ void ShmChannel::publish() {
 }
 
 void ShmChannel::write_frame(const uint8_t* src, uint64_t n) {
+  peer().hungry.store(0, std::memory_order_relaxed);  // before the frame is visible: it feeds the reader
   uint8_t header[kFrameHeader];
   for (int i = 0; i < 8; ++i) header[i] = uint8_t(n >> (8 * i));
   copy_in(my_pos_, header, kFrameHeader);
@@ -344,6 +345,7 @@ void ShmChannel::send_slow(const uint8_t* src, uint64_t n, int64_t deadline,
 
 nb::object ShmChannel::take_small() {
   if (available(kFrameHeader) < kFrameHeader) return nb::object();
+  self().hungry.store(0, std::memory_order_relaxed);
   const uint64_t n = read_length();
   if (n > kGilCopyLimit || available(kFrameHeader + n) < kFrameHeader + n) return nb::object();
   PyObject* out = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(n));
@@ -355,6 +357,7 @@ nb::object ShmChannel::take_small() {
 }
 
 nb::object ShmChannel::take_body(uint64_t n) {
+  self().hungry.store(0, std::memory_order_relaxed);
   PyObject* raw = PyBytes_FromStringAndSize(nullptr, Py_ssize_t(n));
   if (!raw) {
     PyErr_Clear();

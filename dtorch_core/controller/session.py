@@ -123,6 +123,9 @@ class Session:
         self._flush_at = self.first_batch
         self.flush_growth = policy.growth
         self.flush_when_idle = policy.when_idle
+        # the workers' "taken everything and the device ran dry" flags (runners/process.py):
+        # while one is up, what is pending goes at once (the native hot path reads the words)
+        self._hungry_words: tuple = getattr(runner, "hunger_words", tuple)()
         flush_interval = policy.interval
         self.timeout = timeout
         self.plans: dict = {}
@@ -209,7 +212,7 @@ class Session:
     # takes no lock and a concurrent flush (the timer thread) never loses an entry.
     def emit(self, ins) -> None:
         self._pending.append(ins)
-        if len(self._pending) >= self._flush_at:
+        if len(self._pending) >= self._flush_at or (self._hungry_words and self.runner.any_hungry()):
             self.flush()
 
     def release(self, tid: int) -> None:
@@ -431,6 +434,7 @@ class Session:
             log.warning("could not flush at shutdown", error=str(exc))
         finally:
             self.closed = True
+            self._hungry_words = ()  # the words live in the channels the runner unmaps
             if self._flusher is not None:
                 self._stop.set()
                 self._flusher.join(timeout=5)

@@ -83,7 +83,13 @@ class ProcessRunner(Runner):
         communicator, chosen = choose_communicator(plugins.registry("communicators"), "process", device_type,
                                                    communicator)
         dist_backend = dist_backend or chosen.dist_backend
-        streams_class(plugins.registry("streams"), device_type).device_for(device_type, 0)  # a missing device raises here, not in a worker
+        streams_cls = streams_class(plugins.registry("streams"), device_type)
+        streams_cls.device_for(device_type, 0)  # a missing device raises here, not in a worker
+        # flush on drain: a worker whose device runs its work asynchronously (CUDA) raises a flag
+        # in its channel when it has taken every batch and the device has finished them; the
+        # session then sends what it holds at once instead of filling a batch while the device
+        # idles (a step's first ops, after a sync). DTORCH_FLUSH_ON_DRAIN=0 turns it off.
+        self._report_drain = streams_cls.reports_drain and os.environ.get("DTORCH_FLUSH_ON_DRAIN", "1") != "0"
 
         super().__init__(world_size, device_type, plugins)
         self.timeout = timeout
@@ -126,6 +132,7 @@ class ProcessRunner(Runner):
                     "communicator": communicator,
                     "nice": nice,
                     "backend": dist_backend,
+                    "report_drain": self._report_drain,
                     "recv": down_spec.encode(),
                     "send": up_spec.encode(),
                 }
@@ -164,6 +171,17 @@ class ProcessRunner(Runner):
         log.debug("process runner up", world_size=world_size, channel=self.backend)
 
     # -- sending --------------------------------------------------------------------------
+    def hunger_words(self) -> tuple:
+        """The addresses of the workers' drained flags (see ``__init__``), for the session's
+        native hot path; empty when the workers do not report (CPU, pipes, turned off)."""
+        if not self._report_drain or not all(hasattr(ch, "hungry_word") for ch in self.to_workers):
+            return ()
+        return tuple(ch.hungry_word() for ch in self.to_workers)
+
+    def any_hungry(self) -> bool:
+        """Whether a worker has taken every batch and its device has run dry."""
+        return any(ch.peer_hungry() for ch in self.to_workers)
+
     def submit(self, batch) -> None:
         self._raise_if_dead()
         shared = None

@@ -43,6 +43,10 @@ class ShmChannel(Channel):
         self.send = ring.send
         self.recv = ring.recv
         self.try_recv = ring.try_recv
+        # the device-drained signal (see runners/process.py: flush on drain)
+        self.set_hungry = ring.set_hungry
+        self.peer_hungry = ring.peer_hungry
+        self.hungry_word = ring.hungry_word
 
     @classmethod
     def create(

@@ -61,6 +61,14 @@ class WorkerStreams:
         """A copy of ``value`` the controller may read from another thread or process."""
         return value
 
+    # whether the device runs work asynchronously and ``drained`` says when it has caught up:
+    # then an idle worker tells the controller so (runners/process.py, flush on drain)
+    reports_drain: bool = False
+
+    def drained(self) -> bool:
+        """Whether the device has finished every batch run so far (no host sync)."""
+        return True
+
     # whether ``capture`` can record device work into a graph (see worker/graphs.py)
     can_capture: bool = False
 

@@ -45,13 +45,22 @@ class CudaStreams(WorkerStreams):
         # of a small tensor
         self._fork = torch.cuda.Event()
         self._done = torch.cuda.Event()
+        self._ran = torch.cuda.Event()  # recorded after each batch: ``drained`` queries it
 
     def claim_process(self) -> None:
         torch.cuda.set_device(self.device)
 
     def run(self, fn):
         with torch.cuda.stream(self.compute):  # also makes self.device current in this thread
-            return fn()
+            try:
+                return fn()
+            finally:
+                self._ran.record(self.compute)
+
+    reports_drain = True
+
+    def drained(self) -> bool:
+        return self._ran.query()
 
     def communicate(self, fn, value):
         comm, compute = self.comm, self.compute
