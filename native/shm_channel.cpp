@@ -155,7 +155,11 @@ void ShmChannel::set_hungry() {
 
 bool ShmChannel::peer_hungry() {
   if (!writer_) throw UsageError("this end of channel " + name_ + " receives; ask the sending end");
-  std::lock_guard<std::mutex> lk(mu_);
+  // Never wait for the lock here: the caller holds the GIL, and a send in flight on another
+  // thread (runners/sending.py) holds the lock and takes the GIL now and then to check for
+  // signals, so waiting would deadlock. A busy lock means a send is feeding the reader anyway.
+  std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
+  if (!lk.owns_lock()) return false;
   ensure_open_locked();
   return peer().hungry.load(std::memory_order_acquire) != 0;
 }

@@ -133,3 +133,33 @@ def test_the_session_sends_what_it_holds_while_a_worker_is_hungry(path):
     finally:
         dt.shutdown()
     assert session._hungry_words == ()
+
+
+_SEND_WHILE_ASKING = """
+import threading, time
+from dtorch_core.transport import BACKEND_NATIVE, create_channel, open_channel
+tx, spec = create_channel("send", backend=BACKEND_NATIVE, capacity=4096)
+rx = open_channel(spec)
+big = bytes(range(256)) * 64  # 16 KiB: streamed through a 4 KiB ring, so the send holds the channel
+sender = threading.Thread(target=tx.send, args=(big,))
+sender.start()
+time.sleep(0.2)  # the send is waiting for room, checking for signals (the GIL) every 50 ms
+asked = [tx.peer_hungry() for _ in range(100)]  # the GIL held throughout each call
+assert asked == [False] * 100, asked
+assert rx.recv(5) == big
+sender.join(5)
+assert not sender.is_alive()
+print("ok")
+"""
+
+
+@needs_native
+def test_asking_whether_a_worker_is_hungry_never_waits_for_a_send_in_flight():
+    # The deadlock seen with flush on drain: the session asked while the runner's sender thread
+    # streamed a large Put; the sender held the channel and waited for the GIL the asker held.
+    # In a subprocess, so that a regression fails instead of hanging the suite.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _SEND_WHILE_ASKING], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
