@@ -208,6 +208,7 @@ using namespace dtorch_shm;
 NB_MODULE(_native, m) {
   m.doc() = "dtorch native hot paths: the shared-memory ring channel of the local transport.";
   m.attr("LAYOUT_VERSION") = kLayoutVersion;
+  g_main_thread = nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident"));
 
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {

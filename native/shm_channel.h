@@ -101,6 +101,10 @@ struct TooLargeError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The thread CPython delivers signals on (PyErr_CheckSignals does nothing on any other), set
+// at import from threading.main_thread(): a wait off that thread never takes the GIL to check.
+inline unsigned long g_main_thread = 0;
+inline bool on_signal_thread() { return g_main_thread == 0 || PyThread_get_thread_ident() == g_main_thread; }
 inline PyObject* g_closed_type = nullptr;   // dtorch_core.transport.channel.ChannelClosedError
 inline PyObject* g_timeout_type = nullptr;  // dtorch_core.transport.channel.ChannelTimeoutError
 inline PyObject* g_corrupt_type = nullptr;  // dtorch_core.transport.base.ChannelCorruptError

@@ -295,7 +295,7 @@ void ShmChannel::wait_for(uint64_t need, int64_t deadline, bool interruptible,
     int64_t t = now_ns();
     if (t >= next_check) {
       check_peer_alive(what);
-      if (interruptible) {
+      if (interruptible && on_signal_thread()) {
         nb::gil_scoped_acquire gil;
         if (PyErr_CheckSignals() != 0) throw nb::python_error();
       }
