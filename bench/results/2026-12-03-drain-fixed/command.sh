@@ -10,7 +10,7 @@ export PYTHONPATH=/tmp/plug:/tmp/site:$PWD
 python3 -m dtorch_core info 2>&1 | grep -i -E "native|path" | head -5
 nproc; uptime
 MS="python3 bench/model_steps.py --runner process --issue-times --steps 8 --warmup 3"
-for i in 1 2; do
+for i in 1; do
   for v in 1 0; do
     echo "=== large DTORCH_FLUSH_ON_DRAIN=$v run $i"; DTORCH_FLUSH_ON_DRAIN=$v timeout -k 5 200 $MS --families dit,gpt2 --sizes large --json $OUT/large_drain${v}_$i.json 2>&1 | grep -E "^(gpt2|dit)|rror"
   done
