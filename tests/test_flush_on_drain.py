@@ -106,7 +106,7 @@ def test_the_session_sends_what_it_holds_while_a_worker_is_hungry(path):
     try:
         session = session_module._session
         runner = session.runner
-        assert session._hungry_words == ()  # CPU workers do not report drain (and it is off by default)
+        assert session._hungry_words == ()  # CPU workers do not report drain (only CUDA streams do)
         runner._report_drain = True
         session._hungry_words = runner.hunger_words()
         assert len(session._hungry_words) == 2

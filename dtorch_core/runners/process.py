@@ -88,8 +88,8 @@ class ProcessRunner(Runner):
         # flush on drain: a worker whose device runs its work asynchronously (CUDA) raises a flag
         # in its channel when it has taken every batch and the device has finished them; the
         # session then sends what it holds at once instead of filling a batch while the device
-        # idles (a step's first ops, after a sync). Off until measured on a GPU: DTORCH_FLUSH_ON_DRAIN=1.
-        self._report_drain = streams_cls.reports_drain and os.environ.get("DTORCH_FLUSH_ON_DRAIN", "0") == "1"
+        # idles (a step's first ops, after a sync). DTORCH_FLUSH_ON_DRAIN=0 turns it off.
+        self._report_drain = streams_cls.reports_drain and os.environ.get("DTORCH_FLUSH_ON_DRAIN", "1") != "0"
 
         super().__init__(world_size, device_type, plugins)
         self.timeout = timeout
