@@ -12,7 +12,7 @@ nproc; uptime
 L=bench/results/2026-12-03-view-profile/view_loop.py
 for dev in cuda cpu; do for op in view add; do
   echo "=== $dev $op"
-  /tmp/site/bin/py-spy record --native --rate 2000 --duration 6 --format raw --output $OUT/${dev}_${op}.txt -- python3 $L $dev $op 9 > $OUT/${dev}_${op}.log 2>&1 || tail -3 $OUT/${dev}_${op}.log
+  /tmp/site/bin/py-spy record --native --rate 1000 --format raw --output $OUT/${dev}_${op}.txt -- python3 $L $dev $op 8 > $OUT/${dev}_${op}.log 2>&1 || tail -3 $OUT/${dev}_${op}.log
   ls -la $OUT/${dev}_${op}.txt 2>&1 | tail -1
 done; done
 ls /tmp/site/bin | head
