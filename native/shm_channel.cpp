@@ -155,9 +155,11 @@ void ShmChannel::set_hungry() {
 
 bool ShmChannel::peer_hungry() {
   if (!writer_) throw UsageError("this end of channel " + name_ + " receives; ask the sending end");
-  // Never wait for the lock here: the caller holds the GIL, and a send in flight on another
-  // thread (runners/sending.py) holds the lock and takes the GIL now and then to check for
-  // signals, so waiting would deadlock. A busy lock means a send is feeding the reader anyway.
+  // Never wait for the lock here: a send in flight on another thread (runners/sending.py) holds
+  // it for as long as the reader takes to drain a large message, and the caller (the session's
+  // hot path, holding the GIL) must not stall behind it; when that send ran on the main thread
+  // it also took the GIL to check for signals, a deadlock. A busy lock means a send is feeding
+  // the reader anyway.
   std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
   if (!lk.owns_lock()) return false;
   ensure_open_locked();

@@ -143,7 +143,7 @@ rx = open_channel(spec)
 big = bytes(range(256)) * 64  # 16 KiB: streamed through a 4 KiB ring, so the send holds the channel
 sender = threading.Thread(target=tx.send, args=(big,))
 sender.start()
-time.sleep(0.2)  # the send is waiting for room, checking for signals (the GIL) every 50 ms
+time.sleep(0.2)  # the send is waiting for room, holding the channel's lock (the reader has not read)
 asked = [tx.peer_hungry() for _ in range(100)]  # the GIL held throughout each call
 assert asked == [False] * 100, asked
 assert rx.recv(5) == big
@@ -156,8 +156,10 @@ print("ok")
 @needs_native
 def test_asking_whether_a_worker_is_hungry_never_waits_for_a_send_in_flight():
     # The deadlock seen with flush on drain: the session asked while the runner's sender thread
-    # streamed a large Put; the sender held the channel and waited for the GIL the asker held.
-    # In a subprocess, so that a regression fails instead of hanging the suite.
+    # streamed a large Put; the sender held the channel's lock (and then took the GIL to check for
+    # signals), the asker waited for the lock with the GIL held. Waiting for the lock at all blocks
+    # here, since nothing reads until the asks are done. In a subprocess, so that a regression
+    # fails instead of hanging the suite.
     import subprocess
     import sys
 
