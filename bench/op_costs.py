@@ -6,7 +6,9 @@ Each case is one torch-level call (``F.linear`` on a 3-D input, ``F.rms_norm``, 
 replicated DTensors of world 1 and on the same plain tensors: the calling thread's CPU time per
 call (``time.thread_time``, the best of ``--rounds`` rounds of ``--calls`` calls, workers synced
 between rounds), the difference and the ratio, and how many aten ops the call is on the subclass
-(a composite such as ``F.linear`` on a 3-D input decomposes into several, each a dispatch). The
+(a composite such as ``F.linear`` on a 3-D input decomposes into several, each a dispatch; a
+distributed model's ``nn.Linear`` runs dtorch's one-op linear, ``nn.Linear 3-D``). The ``f+b``
+rows are a forward, ``sum()`` and backward on inputs that require grad. The
 worker's time is not in the figure: this is what bounds an eager step whose device is faster
 than its controller (bench/RESULTS.md, issue 14).
 """
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import dtorch_core as dt
+from dtorch_core.nn.linear import linear
 
 CASES = {
     "add": lambda a, w, b, y: a + y,
@@ -28,10 +31,16 @@ CASES = {
     "unsqueeze": lambda a, w, b, y: a.unsqueeze(1),
     "t": lambda a, w, b, y: w.t(),
     "linear 3-D": lambda a, w, b, y: F.linear(a, w, b),
+    "nn.Linear 3-D": lambda a, w, b, y: linear(a, w, b),  # what a distributed model's Linear runs
     "cat": lambda a, w, b, y: torch.cat([a, y], dim=-1),
     "rms_norm": lambda a, w, b, y: F.rms_norm(a, (a.shape[-1],)),
     "layer_norm": lambda a, w, b, y: F.layer_norm(a, (a.shape[-1],)),
     "chunk(4)": lambda a, w, b, y: a.chunk(4, dim=-1),
+}
+# forward and backward, on inputs that require grad (the sum and its backward on both sides)
+GRAD_CASES = {
+    "linear f+b": lambda a, w, b, y: F.linear(a, w, b).sum().backward(),
+    "nn.Linear f+b": lambda a, w, b, y: linear(a, w, b).sum().backward(),
 }
 
 
@@ -70,13 +79,15 @@ def main() -> int:
     sync_torch = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     print(f"controller CPU per call, us (runner {args.runner}, device {args.device}, world 1, torch {torch.__version__})")
     print(f"{'call':12s} {'torch':>8s} {'dtorch':>8s} {'extra':>8s} {'ratio':>7s} {'aten ops':>9s}")
-    for name, fn in CASES.items():
-        t = cpu_per_call(fn, plain, args.calls, args.rounds, sync_torch)
-        d = cpu_per_call(fn, dist, args.calls, args.rounds, dt.synchronize)
+    grads = ([t.detach().clone().requires_grad_() for t in plain], [t.detach().clone().requires_grad_() for t in dist])
+    for name, fn in [*CASES.items(), *GRAD_CASES.items()]:
+        on_plain, on_dist = grads if name in GRAD_CASES else (plain, dist)
+        t = cpu_per_call(fn, on_plain, args.calls, args.rounds, sync_torch)
+        d = cpu_per_call(fn, on_dist, args.calls, args.rounds, dt.synchronize)
         ops = "-"
         if counts is not None:
             before = sum(counts())
-            fn(*dist)
+            fn(*on_dist)
             ops = str(sum(counts()) - before)
         print(f"{name:12s} {t:8.2f} {d:8.2f} {d - t:+8.2f} {d / t:6.2f}x {ops:>9s}")
     dt.shutdown()

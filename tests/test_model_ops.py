@@ -15,11 +15,13 @@ import os
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dtorch_core as dt
 from dtorch_core.controller.session import current_session
 from dtorch_core.ir.instructions import Call, DefinePlan
+from dtorch_core.nn import linear as one_op
 
 from .helpers import DEVICE, assert_close
 
@@ -30,7 +32,8 @@ _spec.loader.exec_module(blocks)
 
 # dtorch kernels that run one aten op when the whole tensor is on the worker, by the op's name
 KERNEL_OPS = {"dtorch::embedding": "embedding", "dtorch::embedding_backward": "embedding_dense_backward",
-              "dtorch::mean": "mean.dim"}
+              "dtorch::mean": "mean.dim", "dtorch::linear": "dtorch.linear",
+              "dtorch::linear_backward": "dtorch.linear_backward"}
 # the same work under another name on the worker:
 # - squeeze.dims: dtorch squeezes the dims that are 1 globally (a local shard may have others)
 # - dtorch.zeros: the factory kernel making zeros (torch's ``at::zeros`` for the gradient of an
@@ -64,6 +67,18 @@ class _TorchOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _LinearsAsOneOp(TorchFunctionMode):
+    """Plain torch with every ``F.linear`` as the one op (forward and backward) that dtorch's
+    Linears run (dtorch_core/nn/linear.py; tests/test_linear.py checks those against F.linear):
+    the rest of the step's ops are torch's own."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch._C._nn.linear:
+            with torch._C.DisableTorchFunction():
+                return one_op._Linear.apply(*args, *(kwargs or {}).values())
+        return func(*args, **(kwargs or {}))
+
+
 def _worker_ops(rec, session) -> collections.Counter:
     ops = collections.Counter()
     for ins in rec.instructions:
@@ -90,7 +105,7 @@ def test_workers_run_the_ops_torch_runs(mesh1d, family):
         batch = batch_fn(step)
         dbatch = tuple(dt.distribute_tensor(t, mesh1d, [dt.Replicate()]) for t in batch)
         batch = tuple(t.to(DEVICE) for t in batch)
-        with _TorchOps(opt) as seen:
+        with _LinearsAsOneOp(), _TorchOps(opt) as seen:
             loss = loss_fn(model, batch)
             loss.backward()
             opt.step()

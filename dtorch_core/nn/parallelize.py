@@ -10,6 +10,7 @@ from ..errors import PlacementError
 from ..mesh import DeviceMesh
 from ..placement import Replicate, refuse_torch_mesh
 from ..tensor import DTensor
+from .linear import one_op_linears
 from .styles import ParallelStyle, distribute_parameter
 from .torch_styles import from_torch_style, is_torch_style
 
@@ -75,9 +76,11 @@ def matching(module: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
 
 
 def replicate_rest(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Distribute every parameter and buffer that is still a plain tensor as Replicate."""
+    """Distribute every parameter and buffer that is still a plain tensor as Replicate (and make
+    the Linears one op each: nn/linear.py)."""
     from ..api import distribute_tensor
 
+    one_op_linears(module)
     placements = [Replicate()] * mesh.ndim
     for sub in module.modules():
         for name, _ in list(sub.named_parameters(recurse=False)):

@@ -13,6 +13,7 @@ from . import (
     fused_optim,
     indexing,
     kernels,
+    linear,
     losses,
     materialize_kernel,
     matmul,
@@ -26,7 +27,7 @@ from . import (
 
 @hookimpl
 def dtorch_register_ops(registry) -> None:
-    for family in (pointwise, reductions, matmul, views, indexing, nn, conv, losses, foreach, foreach_rule,
+    for family in (pointwise, reductions, matmul, linear, views, indexing, nn, conv, losses, foreach, foreach_rule,
                    fused_optim):
         family.register(registry)
     data_dependent.register(registry)  # decompositions: nonzero, masked_select, x[mask], unique, ...
@@ -36,6 +37,7 @@ def dtorch_register_ops(registry) -> None:
 @hookimpl
 def dtorch_register_kernels(registry) -> None:
     kernels.register(registry)
+    linear.register_kernels(registry)
     materialize_kernel.register(registry)
     storage_kernels.register(registry)
     foreach_norm.register_kernels(registry)
