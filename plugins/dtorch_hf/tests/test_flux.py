@@ -65,7 +65,7 @@ def test_forward_matches(session, saved, monkeypatch, mesh_name, case):
     assert rel_err(got.sample, want.sample) <= 1e-4
     if "sp" in mesh_name:
         # Ulysses ran: sequence shards -> head shards (q, k, v of both streams) and back, at
-        # batch 2 too (its Linears keep batch and sequence apart: dtorch_hf/sequence_linear.py)
+        # batch 2 too (its Linears keep the sequence shards at any batch: dtorch_core's one-op linear)
         assert (1, 2, tuple(x["hidden_states"].shape[:2]) + (4, 16)) in moves
         assert any(m[:2] == (2, 1) for m in moves)
     else:

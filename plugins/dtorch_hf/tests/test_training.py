@@ -101,7 +101,11 @@ def assert_step_matches(ref, model, loss_fn):
             assert got_update.abs().max() <= ROUNDING, name
             continue
         moved += 1
-        assert rel_err(got_update, want_update) <= 1e-4, name
+        # an update is read as new - old: where the weight is large against the update (a norm's
+        # weight near 1, updates near lr), each element carries the weight's own rounding (one
+        # ulp of it), so a difference within two ulps of the weight is rounding, not an error
+        ulps = 2 * torch.finfo(before[name].dtype).eps * before[name].abs().max()
+        assert rel_err(got_update, want_update) <= 1e-4 or (got_update - want_update).abs().max() <= ulps, name
     assert moved > len(want) // 2            # the step moved most of the weights
 
 

@@ -40,7 +40,6 @@ from ..batch import lay_out
 from ..family import ModelFamily
 from ..ring import ring_attention, ring_mesh_dim
 from ..ring_mask import RingMask
-from ..sequence_linear import keep_sequence_shards
 
 # the inputs with a batch dim, split over "cfg" and "dp" where they enter the model
 BATCH_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance")
@@ -233,7 +232,6 @@ def prepare(model: nn.Module) -> None:
     if getattr(model, _HOOKED, False):
         return
     model.set_attn_processor(DtorchFluxAttnProcessor())
-    keep_sequence_shards(model)
     model.register_forward_pre_hook(_sequence_shard_inputs(model), with_kwargs=True)
     for block in model.single_transformer_blocks:
         block.forward = _two_stream_single_block(block)

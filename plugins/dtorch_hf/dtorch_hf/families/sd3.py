@@ -35,7 +35,6 @@ from dtorch_core.placement import Replicate, Shard
 from ..batch import lay_out
 from ..family import ModelFamily
 from ..ring import ring_attention, ring_mesh_dim
-from ..sequence_linear import keep_sequence_shards
 from .flux import HEADS, SEQ, _move, _sp_dims, sp_mesh_dim
 
 # the inputs with a batch dim, split over "cfg" and "dp" where they enter the model
@@ -153,7 +152,6 @@ def prepare(model: nn.Module) -> None:
     if getattr(model, _HOOKED, False):
         return
     model.set_attn_processor(DtorchSD3AttnProcessor())
-    keep_sequence_shards(model)
     model.pos_embed.register_forward_hook(_shard_tokens(model))
     model.context_embedder.register_forward_hook(_shard_tokens(model))
     model.proj_out.register_forward_hook(_gather_tokens)
