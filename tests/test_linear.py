@@ -63,7 +63,7 @@ def test_one_op_linear_keeps_shards(mesh1d, case):
         cot = dt.distribute_tensor(torch.randn(out.shape), mesh1d, [R] if out_pl == [P] else out_pl)
         grads = torch.autograd.grad(out, dins, cot)
     assert comm.counts() == {}, f"the linear moved data: {comm.counts_by_op()}"
-    assert [tuple(g.placements) for g in grads] == [tuple([p]) for p in grad_pl]
+    assert [tuple(g.placements) for g in grads] == [(p,) for p in grad_pl]
 
 
 def test_kernels_give_torchs_own_values():

@@ -40,6 +40,7 @@ from ..batch import lay_out
 from ..family import ModelFamily
 from ..ring import ring_attention, ring_mesh_dim
 from ..ring_mask import RingMask
+from ..rotary import rotary
 
 # the inputs with a batch dim, split over "cfg" and "dp" where they enter the model
 BATCH_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance")
@@ -108,10 +109,7 @@ def _joint_attention(attn, streams: list, image_rotary_emb, attention_mask=None)
     lengths = [q.shape[SEQ] for q, _, _ in moved]
     query, key, value = (torch.cat(ts, dim=1) if len(ts) > 1 else ts[0] for ts in zip(*moved))
     if image_rotary_emb is not None:
-        from diffusers.models.embeddings import apply_rotary_emb
-
-        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        query, key = rotary(query, image_rotary_emb), rotary(key, image_rotary_emb)
     out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                          attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
     out = out.transpose(1, 2)
@@ -157,13 +155,11 @@ def _ring_flux(streams: list, image_rotary_emb, ring_dim, attention_mask=None) -
     applied per stream with its part of the joint sequence's rotary table: text first; the
     mask, over the joint sequence, is cut into blocks by the ring)."""
     if image_rotary_emb is not None:
-        from diffusers.models.embeddings import apply_rotary_emb
-
         start, rotated = 0, []
         for q, k, v in streams:
             part = tuple(t[start:start + q.shape[SEQ]] for t in image_rotary_emb)
             start += q.shape[SEQ]
-            rotated.append((apply_rotary_emb(q, part, sequence_dim=1), apply_rotary_emb(k, part, sequence_dim=1), v))
+            rotated.append((rotary(q, part), rotary(k, part), v))
         streams = rotated
     return ring_attention(*(list(ts) for ts in zip(*streams)), ring_dim, attn_mask=attention_mask)
 
