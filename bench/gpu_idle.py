@@ -111,7 +111,7 @@ def medians(summary: dict) -> dict:
     return row
 
 
-def print_rows(family, size, rows: dict, summaries: dict, top: int, controller: list) -> None:
+def print_rows(family, size, rows: dict, summaries: dict, top: int, controller: list, kernel_diff: int = 0) -> None:
     for name, r in rows.items():
         causes = ", ".join(f"{c} {v / 1000:.2f}" for c, v in r["idle_by_cause_us"].items())
         print(f"{family:5s} {size:5s} {name:6s} | step {r['wall_us'] / 1000:7.2f} ms | busy "
@@ -125,6 +125,13 @@ def print_rows(family, size, rows: dict, summaries: dict, top: int, controller: 
                   f"{g['kernel'][:40]} (launched in {g['op']})")
             if name != "torch":
                 print("             " + controller_during(controller, g["start_us"] - 300, g["start_us"] + g["us"]))
+    if kernel_diff and "torch" in summaries and "eager" in summaries:
+        mine, theirs = (summaries[n]["steps"][len(summaries[n]["steps"]) // 2]["kernel_names"] for n in ("eager", "torch"))
+        diff = [(k, mine.get(k, [0, 0.0]), theirs.get(k, [0, 0.0])) for k in set(mine) | set(theirs)]
+        diff = [d for d in diff if d[1][0] != d[2][0] or abs(d[1][1] - d[2][1]) > 20]
+        diff.sort(key=lambda d: -abs(d[1][1] - d[2][1]))
+        for k, (n, us), (tn, tus) in diff[:kernel_diff]:
+            print(f"      kernels eager {n:4d} ({us:8.1f} us) vs torch {tn:4d} ({tus:8.1f} us)  {k}")
     if controller and summaries.get("eager"):
         ends = [e[1] for e in controller if e[2] == gpu_idle_trace.SYNC]
         worker_end = summaries["eager"]["steps"][-1]["begin_us"] + summaries["eager"]["steps"][-1]["wall_us"]
@@ -140,6 +147,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--top", type=int, default=16, help="largest gaps printed per side")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--kernel-diff", type=int, default=0,
+                        help="print this many kernels whose count or summed time differ most between the sides")
     parser.add_argument("--controller-stacks", action="store_true",
                         help="profile the controller's Python calls too (slower: shows what it did in a gap)")
     add_flush_options(parser)
@@ -177,7 +186,7 @@ def main() -> None:
         summaries["eager"], controller = dtorch_window(dt, side, args.steps, out, window, args.controller_stacks)
         del side, dmodel, dbatches
         rows = {name: medians(s) for name, s in summaries.items()}
-        print_rows(family, size, rows, summaries, args.top, controller)
+        print_rows(family, size, rows, summaries, args.top, controller, args.kernel_diff)
         results[f"{family}/{size}"] = {"medians": rows, "summaries": summaries}
         sys.stdout.flush()
         if device == "cuda":

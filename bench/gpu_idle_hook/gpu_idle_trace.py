@@ -72,9 +72,12 @@ def summarise(prof, *, min_gap_us: float = 2.0, top: int = 12) -> dict:
         if not ks:
             continue
         busy, gaps = 0.0, []
+        names, name_us = {}, {}  # per kernel name: launches and summed time (a difference shows here)
         causes = {"waiting for the controller": 0.0, "worker busy": 0.0, "gpu side": 0.0}
         last_end = ks[0][0]
         for start, stop, name, corr in ks:
+            names[name[:110]] = names.get(name[:110], 0) + 1
+            name_us[name[:110]] = name_us.get(name[:110], 0.0) + stop - start
             if start - last_end > min_gap_us:
                 gap = start - last_end
                 launch = launches.get(corr) if corr is not None else (start, start)
@@ -100,6 +103,7 @@ def summarise(prof, *, min_gap_us: float = 2.0, top: int = 12) -> dict:
             "idle_between_kernels_us": sum(g[0] for g in gaps),
             "idle_by_cause_us": causes,
             "begin_us": begin,
+            "kernel_names": {k: [n, round(name_us[k], 1)] for k, n in names.items()},
             "top_gaps": [{"us": round(g, 1), "cause": c, "kernel": k, "op": o, "start_us": t, "at_us": round(at, 1)}
                          for g, c, k, o, t, at in gaps[:top]],
         })
