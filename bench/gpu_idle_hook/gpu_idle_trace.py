@@ -48,6 +48,8 @@ def summarise(prof, *, min_gap_us: float = 2.0, top: int = 12) -> dict:
         name = e.name()
         start, end = e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3
         if e.device_type().name == "CUDA":
+            if getattr(e, "is_user_annotation", lambda: False)():
+                continue  # a record_function range shown on the GPU's timeline, not a kernel
             kernels.append((start, end, name, e.correlation_id()))
         elif name in LAUNCHES:
             launches[e.correlation_id()] = (start, end)
