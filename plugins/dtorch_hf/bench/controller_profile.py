@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _diffusion_models as models  # noqa: E402
+import _diffusion_models as models
 
 GROUPS = ("dtorch_core", "dtorch_hf", "diffusers", "torch")
 
@@ -48,7 +48,7 @@ def record(seconds: float, rate: int) -> list[tuple[list[str], int]]:
     out = tempfile.mktemp(suffix=".txt")
     cmd = [shutil.which("py-spy") or "py-spy", "record", "--pid", str(os.getpid()), "--rate", str(rate),
            "--duration", str(int(seconds)), "--format", "raw", "--output", out, "--nonblocking", "--threads"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=seconds + 120)
     if proc.returncode != 0 or not os.path.exists(out):
         raise RuntimeError(f"py-spy failed: {proc.stderr.strip()[-300:]}")
     main = threading.main_thread().native_id
@@ -123,32 +123,8 @@ def main() -> int:
     sync_torch = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     results = {}
     for name in args.models.split(","):
-        cfg = models.config(name, size, tiny=args.tiny)
-        toks = models.tokens(name, tiny=args.tiny)
-        inputs = models.make_inputs(name, cfg, toks, 1, dtype, seed=0)
-        anchor = models.build_diffusers(name, cfg, dtype, device)
-        anchor_inputs = {k: v.to(device) for k, v in inputs.items()}
-        dmodel = models.build_dtorch(name, cfg, dtype, mesh, "ulysses")
-        dinputs = models.place_inputs(inputs, mesh)
-
-        def diffusers_step():
-            with torch.no_grad():
-                return anchor(**anchor_inputs, return_dict=False)[0]
-
-        def dtorch_step():
-            with torch.no_grad():
-                return dmodel(**dinputs, return_dict=False)[0]
-
-        rows = {}
-        for side, step, sync in (("diffusers", diffusers_step, sync_torch), ("eager", dtorch_step, dt.synchronize)):
-            for _ in range(args.warmup):
-                step()
-            sync()
-            samples, per_s = profile_side(step, sync, args.seconds, args.rate)
-            rows[side] = dict(summarise(samples, args.top), steps_per_s=per_s)
-        results[name] = rows
+        results[name] = rows = profile_model(dt, name, size, args, mesh, dtype, device, sync_torch)
         print_model(name, size, rows)
-        del anchor, dmodel, dinputs, anchor_inputs
         if device == "cuda":
             torch.cuda.empty_cache()
     dt.shutdown()
@@ -156,6 +132,33 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def profile_model(dt, name, size, args, mesh, dtype, device, sync_torch) -> dict:
+    cfg = models.config(name, size, tiny=args.tiny)
+    toks = models.tokens(name, tiny=args.tiny)
+    inputs = models.make_inputs(name, cfg, toks, 1, dtype, seed=0)
+    anchor = models.build_diffusers(name, cfg, dtype, device)
+    anchor_inputs = {k: v.to(device) for k, v in inputs.items()}
+    dmodel = models.build_dtorch(name, cfg, dtype, mesh, "ulysses")
+    dinputs = models.place_inputs(inputs, mesh)
+
+    def diffusers_step():
+        with torch.no_grad():
+            return anchor(**anchor_inputs, return_dict=False)[0]
+
+    def dtorch_step():
+        with torch.no_grad():
+            return dmodel(**dinputs, return_dict=False)[0]
+
+    rows = {}
+    for side, step, sync in (("diffusers", diffusers_step, sync_torch), ("eager", dtorch_step, dt.synchronize)):
+        for _ in range(args.warmup):
+            step()
+        sync()
+        samples, per_s = profile_side(step, sync, args.seconds, args.rate)
+        rows[side] = dict(summarise(samples, args.top), steps_per_s=per_s)
+    return rows
 
 
 def print_model(name: str, size: str, rows: dict) -> None:
