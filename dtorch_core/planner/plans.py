@@ -266,10 +266,12 @@ def plain_input(session, x, mesh: DeviceMesh) -> tuple:
     ``at::zeros`` for the gradient of an unused output (a chunk nobody reads), which no tensor
     subclass sees; sent as data it would cost a host copy per step and keep a captured step out
     of device graphs (a graph cannot repeat data from the controller). Inside the autograd nodes
-    that make them (:data:`_ZEROS_NODES`) they are known without reading them: on an accelerator
-    ``x.any()`` is a host sync of the controller's stream, about 0.5 ms each on a GPU.
+    that make them (:data:`_ZEROS_NODES`) they are known without reading them. Elsewhere only a
+    CPU tensor is read for zeros: on an accelerator ``x.any()`` is a host sync of the controller's
+    stream (about 0.5 ms on a GPU), so such a tensor goes as data.
     """
-    plain_zeros = x.numel() and not (x.is_complex() or x.requires_grad) and (_autograd_zeros() or not x.any())
+    plain_zeros = x.numel() and not (x.is_complex() or x.requires_grad) and (
+        _autograd_zeros() or (x.device.type == "cpu" and not x.any()))
     if not plain_zeros:
         return session.put_replicated(x, mesh), None
     key = ("plain zeros", mesh, tuple(x.shape), x.dtype)

@@ -37,6 +37,7 @@ import dtorch_core as dt
 from dtorch_core.placement import Shard
 
 from ..batch import lay_out
+from ..pos_embed import distributed_pos_embed
 from ..family import ModelFamily
 from ..ring import ring_attention, ring_mesh_dim
 from ..ring_mask import RingMask
@@ -231,6 +232,7 @@ def prepare(model: nn.Module) -> None:
     model.register_forward_pre_hook(_sequence_shard_inputs(model), with_kwargs=True)
     for block in model.single_transformer_blocks:
         block.forward = _two_stream_single_block(block)
+    model.pos_embed.forward = distributed_pos_embed(model.pos_embed, lambda: model.x_embedder.weight)
     setattr(model, _HOOKED, True)
 
 
