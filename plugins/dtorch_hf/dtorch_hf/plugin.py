@@ -1,6 +1,6 @@
 """The hook implementations of dtorch_hf (its entry point ``hf``): the families it serves, the
-worker kernel that ``from_pretrained`` reads weights with, and Flux's one-op rotary embedding
-and rotary tables."""
+worker kernel that ``from_pretrained`` reads weights with, Flux's one-op rotary embedding and
+rotary tables, and the one-op timestep embedding of Flux and SD3."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from .families.flux import FLUX_FAMILY
 from .families.sd3 import SD3_FAMILY
 from .families.t5 import T5_FAMILY
 from .families.vae import VAE_FAMILY
-from . import pos_embed, rotary
+from . import pos_embed, rotary, timesteps
 from .weights_kernel import register as register_weights_kernel
 
 
@@ -28,6 +28,7 @@ def dtorch_register_model_families(registry) -> None:
 def dtorch_register_ops(registry) -> None:
     rotary.register(registry)
     pos_embed.register(registry)
+    timesteps.register(registry)
 
 
 @hookimpl
@@ -35,3 +36,4 @@ def dtorch_register_kernels(registry) -> None:
     register_weights_kernel(registry)
     rotary.register_kernels(registry)
     pos_embed.register_kernels(registry)
+    timesteps.register_kernels(registry)

@@ -42,6 +42,7 @@ from ..family import ModelFamily
 from ..ring import ring_attention, ring_mesh_dim
 from ..ring_mask import RingMask
 from ..rotary import rotary
+from ..timesteps import one_op_timesteps
 
 # the inputs with a batch dim, split over "cfg" and "dp" where they enter the model
 BATCH_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance")
@@ -233,6 +234,7 @@ def prepare(model: nn.Module) -> None:
     for block in model.single_transformer_blocks:
         block.forward = _two_stream_single_block(block)
     model.pos_embed.forward = distributed_pos_embed(model.pos_embed, lambda: model.x_embedder.weight)
+    one_op_timesteps(model, lambda: model.x_embedder.weight)
     setattr(model, _HOOKED, True)
 
 

@@ -35,6 +35,7 @@ from dtorch_core.placement import Replicate, Shard
 from ..batch import lay_out
 from ..family import ModelFamily
 from ..ring import ring_attention, ring_mesh_dim
+from ..timesteps import one_op_timesteps
 from .flux import HEADS, SEQ, _move, _sp_dims, sp_mesh_dim
 
 # the inputs with a batch dim, split over "cfg" and "dp" where they enter the model
@@ -155,6 +156,7 @@ def prepare(model: nn.Module) -> None:
     model.pos_embed.register_forward_hook(_shard_tokens(model))
     model.context_embedder.register_forward_hook(_shard_tokens(model))
     model.proj_out.register_forward_hook(_gather_tokens)
+    one_op_timesteps(model, lambda: model.proj_out.weight)
     setattr(model, _HOOKED, True)
 
 

@@ -1,14 +1,16 @@
-"""Flux's rotary tables as one op (dtorch_hf/pos_embed.py) against diffusers' FluxPosEmbed: the
-values on replicated and token-split ids (uneven), one op for the whole table, plain ids of a
-pipeline distributed once so that no attention sends the tables again, and diffusers' own
-forward for plain models."""
+"""Flux's rotary tables and the timestep embedding as one op each (dtorch_hf/pos_embed.py,
+dtorch_hf/timesteps.py) against diffusers' FluxPosEmbed and Timesteps: the values on replicated
+and split inputs (uneven), one op each, plain ids and timesteps of a pipeline distributed once so
+that no later op sends the tables again, and diffusers' own forward for plain models."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from diffusers.models.embeddings import Timesteps
 from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 from dtorch_hf.pos_embed import distributed_pos_embed, flux_pos_embed_op
+from dtorch_hf.timesteps import distributed_timesteps, one_op_timesteps
 
 import dtorch_core as dt
 from dtorch_core.controller.session import current_session
@@ -63,3 +65,30 @@ def test_plain_models_keep_diffusers_forward(session):
     ids = _ids(3, 2, 5)
     for g, w in zip(forward(ids), pos_embed(ids)):
         assert type(g) is torch.Tensor and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("placements", [[R], [dt.Shard(0)]], ids=["replicated", "batch shards"])
+@pytest.mark.parametrize("module", [Timesteps(256, True, 1), Timesteps(256, True, 0), Timesteps(64, False, 1, scale=2)],
+                         ids=["sd3", "flux", "scaled"])
+def test_timestep_embedding_matches_diffusers(session, placements, module):
+    mesh = dt.init_device_mesh("cpu", (4,))  # 3 timesteps -> 1/1/1/0
+    timesteps = torch.tensor([999.0, 500.5, 1.0])
+    want = module(timesteps)
+    forward = distributed_timesteps(module, lambda: dt.distribute_tensor(torch.zeros(2), mesh, [R]))
+    got = forward(dt.distribute_tensor(timesteps, mesh, placements))
+    assert got.placements == tuple(placements)
+    torch.testing.assert_close(got.full_tensor(), want, rtol=0, atol=0)
+    with current_session().recording() as rec:
+        got = forward(timesteps)  # plain timesteps: distributed, then one op
+    names = [current_session().plan_names[i.plan_id].op_name for i in rec.instructions if type(i) is Call]
+    assert names == ["dtorch_hf.timestep_embedding.default"]
+    torch.testing.assert_close(got.full_tensor(), want, rtol=0, atol=0)
+
+
+def test_a_model_gets_one_op_for_every_timesteps_module(session):
+    embed = torch.nn.Module()
+    embed.time_proj, embed.guidance_proj = Timesteps(256, True, 0), Timesteps(256, True, 0)
+    one_op_timesteps(embed, lambda: torch.zeros(2))
+    for m in (embed.time_proj, embed.guidance_proj):
+        assert "forward" in vars(m)  # the instance's own forward (diffusers' for plain models)
+        assert torch.equal(m(torch.tensor([3.0])), Timesteps(256, True, 0)(torch.tensor([3.0])))
