@@ -39,6 +39,25 @@ def lay_out(value, mesh: DeviceMesh, wanted: dict):
     return value.redistribute(mesh, placements) if changed else value
 
 
+def one_op_forward(original, weight, ndim: int, op):
+    """A module forward of one ``ndim``-D tensor input that runs ``op(x)`` (one op on the
+    workers) while the model's parameter ``weight()`` is a DTensor: a plain ``x`` (a pipeline's
+    ids or timesteps) is distributed first, replicated on that parameter's mesh, so that what the
+    op makes stays on the workers. Otherwise (a plain model, another rank of input, an input that
+    needs gradients) ``original(x)``, diffusers' own forward."""
+
+    def forward(x):
+        param = weight()
+        if not isinstance(param, dt.DTensor) or x.ndim != ndim or x.requires_grad:
+            return original(x)
+        if not isinstance(x, dt.DTensor):
+            mesh = param.device_mesh
+            x = dt.distribute_tensor(x, mesh, [Replicate()] * mesh.ndim)
+        return op(x)
+
+    return forward
+
+
 def split_batch_on_entry(model: nn.Module, mesh: DeviceMesh, dims: list[int], patterns, kwargs_names) -> list[str]:
     """Install hooks on the sub-modules matching ``patterns`` ("" is the model itself) that lay
     their ``kwargs_names`` inputs (and first positional input) out as Shard(0) on the mesh dims

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dtorch_core import hookimpl
 
+from . import pos_embed, rotary, timesteps
 from .families.clip import CLIP_TEXT_FAMILY
 from .families.flux import FLUX_FAMILY
 from .families.sd3 import SD3_FAMILY
 from .families.t5 import T5_FAMILY
 from .families.vae import VAE_FAMILY
-from . import pos_embed, rotary, timesteps
 from .weights_kernel import register as register_weights_kernel
 
 

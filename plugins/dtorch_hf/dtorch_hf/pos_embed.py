@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import torch
 
-import dtorch_core as dt
 from dtorch_core.placement import Replicate, Shard
 from dtorch_core.planner.schema import Rule, Strategy
+
+from .batch import one_op_forward
 
 R = Replicate()
 LIBRARY = torch.library.Library("dtorch_hf", "FRAGMENT")
@@ -46,21 +47,10 @@ def flux_pos_embed_strategies(call):
 
 
 def distributed_pos_embed(pos_embed, weight):
-    """A forward for the ``FluxPosEmbed`` ``pos_embed`` of a model whose parameter ``weight`` says
-    where it is: while that is a DTensor, the tables come from one op on the workers (plain 2-D ids
-    are distributed first, replicated on its mesh); otherwise diffusers' own forward."""
-    original = pos_embed.forward
-
-    def forward(ids):
-        param = weight()
-        if not isinstance(param, dt.DTensor) or ids.ndim != 2 or ids.requires_grad:
-            return original(ids)
-        if not isinstance(ids, dt.DTensor):
-            mesh = param.device_mesh
-            ids = dt.distribute_tensor(ids, mesh, [R] * mesh.ndim)
-        return flux_pos_embed_op(ids, list(pos_embed.axes_dim), float(pos_embed.theta))
-
-    return forward
+    """A forward for the ``FluxPosEmbed`` ``pos_embed`` of a model whose parameter ``weight()``
+    says where it is: the one op while that is a DTensor (``batch.one_op_forward``)."""
+    return one_op_forward(pos_embed.forward, weight, 2, lambda ids: flux_pos_embed_op(
+        ids, list(pos_embed.axes_dim), float(pos_embed.theta)))
 
 
 def register(registry) -> None:

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
-import dtorch_core as dt
 from dtorch_core.placement import Replicate, Shard
 from dtorch_core.planner.schema import Rule, Strategy
+
+from .batch import one_op_forward
 
 R = Replicate()
 LIBRARY = torch.library.Library("dtorch_hf", "FRAGMENT")
@@ -48,22 +49,11 @@ def timestep_embedding_strategies(call):
 
 
 def distributed_timesteps(module, weight):
-    """A forward for diffusers' ``Timesteps`` ``module`` in a model whose parameter ``weight``
-    says where it is: while that is a DTensor, one op on the workers (plain 1-D timesteps are
-    distributed first, replicated on its mesh); otherwise diffusers' own forward."""
-    original = module.forward
-
-    def forward(timesteps):
-        param = weight()
-        if not isinstance(param, dt.DTensor) or timesteps.ndim != 1 or timesteps.requires_grad:
-            return original(timesteps)
-        if not isinstance(timesteps, dt.DTensor):
-            mesh = param.device_mesh
-            timesteps = dt.distribute_tensor(timesteps, mesh, [R] * mesh.ndim)
-        return timestep_embedding_op(timesteps, module.num_channels, bool(module.flip_sin_to_cos),
-                                     float(module.downscale_freq_shift), float(module.scale))
-
-    return forward
+    """A forward for diffusers' ``Timesteps`` ``module`` in a model whose parameter ``weight()``
+    says where it is: the one op while that is a DTensor (``batch.one_op_forward``)."""
+    return one_op_forward(module.forward, weight, 1, lambda timesteps: timestep_embedding_op(
+        timesteps, module.num_channels, bool(module.flip_sin_to_cos), float(module.downscale_freq_shift),
+        float(module.scale)))
 
 
 def one_op_timesteps(model, weight) -> None:

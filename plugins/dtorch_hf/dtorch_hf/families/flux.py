@@ -37,8 +37,8 @@ import dtorch_core as dt
 from dtorch_core.placement import Shard
 
 from ..batch import lay_out
-from ..pos_embed import distributed_pos_embed
 from ..family import ModelFamily
+from ..pos_embed import distributed_pos_embed
 from ..ring import ring_attention, ring_mesh_dim
 from ..ring_mask import RingMask
 from ..rotary import rotary
