@@ -1,12 +1,12 @@
 """The hook implementations of dtorch_hf (its entry point ``hf``): the families it serves, the
 worker kernel that ``from_pretrained`` reads weights with, Flux's one-op rotary embedding and
-rotary tables, and the one-op timestep embedding of Flux and SD3."""
+rotary tables, and the one-op timestep embedding and adaLN-Zero modulated norm of Flux and SD3."""
 
 from __future__ import annotations
 
 from dtorch_core import hookimpl
 
-from . import pos_embed, rotary, timesteps
+from . import modulate, pos_embed, rotary, timesteps
 from .families.clip import CLIP_TEXT_FAMILY
 from .families.flux import FLUX_FAMILY
 from .families.sd3 import SD3_FAMILY
@@ -29,6 +29,7 @@ def dtorch_register_ops(registry) -> None:
     rotary.register(registry)
     pos_embed.register(registry)
     timesteps.register(registry)
+    modulate.register(registry)
 
 
 @hookimpl
@@ -37,3 +38,4 @@ def dtorch_register_kernels(registry) -> None:
     rotary.register_kernels(registry)
     pos_embed.register_kernels(registry)
     timesteps.register_kernels(registry)
+    modulate.register_kernels(registry)

@@ -38,6 +38,7 @@ from dtorch_core.placement import Shard
 
 from ..batch import lay_out
 from ..family import ModelFamily
+from ..modulate import one_op_modulation
 from ..pos_embed import distributed_pos_embed
 from ..ring import ring_attention, ring_mesh_dim
 from ..ring_mask import RingMask
@@ -235,6 +236,7 @@ def prepare(model: nn.Module) -> None:
         block.forward = _two_stream_single_block(block)
     model.pos_embed.forward = distributed_pos_embed(model.pos_embed, lambda: model.x_embedder.weight)
     one_op_timesteps(model, lambda: model.x_embedder.weight)
+    one_op_modulation(model)
     setattr(model, _HOOKED, True)
 
 

@@ -34,6 +34,7 @@ from dtorch_core.placement import Replicate, Shard
 
 from ..batch import lay_out
 from ..family import ModelFamily
+from ..modulate import one_op_modulation
 from ..ring import ring_attention, ring_mesh_dim
 from ..timesteps import one_op_timesteps
 from .flux import HEADS, SEQ, _move, _sp_dims, sp_mesh_dim
@@ -157,6 +158,7 @@ def prepare(model: nn.Module) -> None:
     model.context_embedder.register_forward_hook(_shard_tokens(model))
     model.proj_out.register_forward_hook(_gather_tokens)
     one_op_timesteps(model, lambda: model.proj_out.weight)
+    one_op_modulation(model)
     setattr(model, _HOOKED, True)
 
 
