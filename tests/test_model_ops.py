@@ -167,3 +167,18 @@ def test_autograd_zeros_are_known_without_reading_them(mesh1d, monkeypatch, take
     assert not any(type(i).__name__ == "Put" for i in rec.instructions)
     (pieces(w)[1] * 3).sum().backward()
     assert_close(dw.grad.full_tensor(), w.grad)
+
+
+def test_plain_accelerator_tensors_are_read_for_zeros_only_while_a_capture_records(mesh1d):
+    # in eager, Tensor.any() of a plain GPU tensor would sync the controller's stream for every
+    # such input (diffusers' aranges on the ids' device): it goes as data instead
+    from types import SimpleNamespace
+
+    from dtorch_core.planner.plans import reads_for_zeros
+
+    session = current_session()
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))
+    assert reads_for_zeros(session, torch.zeros(2))
+    assert not reads_for_zeros(session, on_gpu)
+    with session.recording():
+        assert reads_for_zeros(session, on_gpu)

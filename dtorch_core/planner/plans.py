@@ -266,12 +266,13 @@ def plain_input(session, x, mesh: DeviceMesh) -> tuple:
     ``at::zeros`` for the gradient of an unused output (a chunk nobody reads), which no tensor
     subclass sees; sent as data it would cost a host copy per step and keep a captured step out
     of device graphs (a graph cannot repeat data from the controller). Inside the autograd nodes
-    that make them (:data:`_ZEROS_NODES`) they are known without reading them. Elsewhere only a
-    CPU tensor is read for zeros: on an accelerator ``x.any()`` is a host sync of the controller's
-    stream (about 0.5 ms on a GPU), so such a tensor goes as data.
+    that make them (:data:`_ZEROS_NODES`) they are known without reading them. Elsewhere a tensor
+    on an accelerator is read for zeros only while a capture records (where a zero made on the
+    workers keeps the replay a device graph): in eager ``x.any()`` is a host sync of the
+    controller's stream (about 0.5 ms on a GPU), so such a tensor goes as data; a CPU one is read.
     """
     plain_zeros = x.numel() and not (x.is_complex() or x.requires_grad) and (
-        _autograd_zeros() or (x.device.type == "cpu" and not x.any()))
+        _autograd_zeros() or (reads_for_zeros(session, x) and not x.any()))
     if not plain_zeros:
         return session.put_replicated(x, mesh), None
     key = ("plain zeros", mesh, tuple(x.shape), x.dtype)
@@ -286,6 +287,12 @@ def plain_input(session, x, mesh: DeviceMesh) -> tuple:
             pure=True, out_specs=(spec,), out_views=(mesh,), rebuild=lambda outs: outs[0])
     zeros = plan.run(session, (), {}, [])
     return zeros._tid, zeros
+
+
+def reads_for_zeros(session, x) -> bool:
+    """Whether :func:`plain_input` may read ``x`` to find it is zeros: a CPU tensor always, one on
+    an accelerator only while a capture records (the read is a host sync of its stream)."""
+    return x.device.type == "cpu" or session._recorders is not None
 
 
 # Autograd nodes whose formulas (torch's split/unbind backwards) fill the gradient of every output
