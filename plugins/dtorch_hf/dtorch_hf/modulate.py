@@ -46,17 +46,15 @@ def one_op_forward(module, chunks: int):
     """A forward for an ``AdaLayerNormZero`` (``chunks`` 6) or ``AdaLayerNormZeroSingle`` (3):
     diffusers' steps, with the modulated norm as one op where it applies."""
     original = module.forward
-    norm = module.norm
-    plain_norm = type(norm) is nn.LayerNorm and not norm.elementwise_affine
-
     emb_at = 3 if chunks == 6 else 0  # emb's place after x: (timestep, class_labels, hidden_dtype, emb)
 
     def forward(x, *args, **kwargs):
+        norm = module.norm
         emb = kwargs.get("emb", args[emb_at] if len(args) > emb_at else None)
-        others = [a for a in args[:emb_at]] + [v for k, v in kwargs.items() if k != "emb"]
-        if not plain_norm or type(x) is not dt.DTensor or emb is None or any(a is not None for a in others) \
-                or getattr(module, "emb", None) is not None or torch.is_grad_enabled() \
-                or torch.is_autocast_enabled(x.device.type):
+        others = list(args[:emb_at]) + [v for k, v in kwargs.items() if k != "emb"]
+        if type(norm) is not nn.LayerNorm or norm.elementwise_affine or type(x) is not dt.DTensor or emb is None \
+                or any(a is not None for a in others) or getattr(module, "emb", None) is not None \
+                or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
             return original(x, *args, **kwargs)  # a timestep/label embedding of its own, training...
         shift, scale, *rest = module.linear(module.silu(emb)).chunk(chunks, dim=1)
         return (norm_modulate_op(x, shift, scale, float(norm.eps)), *rest)
