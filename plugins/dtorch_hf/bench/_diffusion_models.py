@@ -157,6 +157,31 @@ def place_inputs(inputs: dict, mesh) -> dict:
     return {k: dt.distribute_tensor(v, mesh, [dt.Replicate()] * mesh.ndim) for k, v in inputs.items()}
 
 
+def diffusers_step(name: str, cfg: dict, inputs: dict, dtype, device: str):
+    """One denoising step of a plain diffusers model built here (a no-grad call on ``inputs``)."""
+    model = build_diffusers(name, cfg, dtype, device)
+    on_device = {k: v.to(device) for k, v in inputs.items()}
+
+    def step():
+        with torch.no_grad():
+            return model(**on_device, return_dict=False)[0]
+
+    return step
+
+
+def dtorch_step(name: str, cfg: dict, inputs: dict, dtype, mesh, sp_mode: str = "ulysses"):
+    """One denoising step of the model parallelized over ``mesh`` (inputs placed as
+    :func:`place_inputs` places them)."""
+    model = build_dtorch(name, cfg, dtype, mesh, sp_mode)
+    placed = place_inputs(inputs, mesh)
+
+    def step():
+        with torch.no_grad():
+            return model(**placed, return_dict=False)[0]
+
+    return step
+
+
 @torch.no_grad()
 def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """``dst``'s parameters and buffers set to ``src``'s (DTensors read whole): the check that

@@ -136,23 +136,11 @@ def main() -> int:
 
 def profile_model(dt, name, size, args, mesh, dtype, device, sync_torch) -> dict:
     cfg = models.config(name, size, tiny=args.tiny)
-    toks = models.tokens(name, tiny=args.tiny)
-    inputs = models.make_inputs(name, cfg, toks, 1, dtype, seed=0)
-    anchor = models.build_diffusers(name, cfg, dtype, device)
-    anchor_inputs = {k: v.to(device) for k, v in inputs.items()}
-    dmodel = models.build_dtorch(name, cfg, dtype, mesh, "ulysses")
-    dinputs = models.place_inputs(inputs, mesh)
-
-    def diffusers_step():
-        with torch.no_grad():
-            return anchor(**anchor_inputs, return_dict=False)[0]
-
-    def dtorch_step():
-        with torch.no_grad():
-            return dmodel(**dinputs, return_dict=False)[0]
-
+    inputs = models.make_inputs(name, cfg, models.tokens(name, tiny=args.tiny), 1, dtype, seed=0)
+    sides = (("diffusers", models.diffusers_step(name, cfg, inputs, dtype, device), sync_torch),
+             ("eager", models.dtorch_step(name, cfg, inputs, dtype, mesh), dt.synchronize))
     rows = {}
-    for side, step, sync in (("diffusers", diffusers_step, sync_torch), ("eager", dtorch_step, dt.synchronize)):
+    for side, step, sync in sides:
         for _ in range(args.warmup):
             step()
         sync()

@@ -74,26 +74,12 @@ def main() -> int:
     for window, name in enumerate(args.models.split(",")):
         cfg = models.config(name, args.size, tiny=args.tiny)
         inputs = models.make_inputs(name, cfg, models.tokens(name, tiny=args.tiny), 1, dtype, seed=0)
-        anchor = models.build_diffusers(name, cfg, dtype, device)
-        anchor_inputs = {k: v.to(device) for k, v in inputs.items()}
-
-        def diffusers_step(anchor=anchor, anchor_inputs=anchor_inputs):
-            with torch.no_grad():
-                return anchor(**anchor_inputs, return_dict=False)[0]
-
-        side = Steps(diffusers_step, sync_torch)
+        side = Steps(models.diffusers_step(name, cfg, inputs, dtype, device), sync_torch)
         for _ in range(args.warmup):
             side.step()
         summaries = {"torch": gpu_idle.torch_window(side, args.steps)}
-        del anchor, anchor_inputs, side, diffusers_step
-        dmodel = models.build_dtorch(name, cfg, dtype, mesh, "ulysses")
-        dinputs = models.place_inputs(inputs, mesh)
-
-        def dtorch_step(dmodel=dmodel, dinputs=dinputs):
-            with torch.no_grad():
-                return dmodel(**dinputs, return_dict=False)[0]
-
-        side = Steps(dtorch_step, dt.synchronize)
+        del side  # the diffusers model goes before the distributed one is built
+        side = Steps(models.dtorch_step(name, cfg, inputs, dtype, mesh), dt.synchronize)
         for _ in range(args.warmup):
             side.step()
         summaries["eager"], controller = gpu_idle.dtorch_window(dt, side, args.steps, out, window)
@@ -101,7 +87,7 @@ def main() -> int:
         gpu_idle.print_rows(name, args.size, rows, summaries, args.top, controller, args.kernel_diff)
         results[f"{name}/{args.size}"] = {"medians": rows, "summaries": summaries}
         sys.stdout.flush()
-        del dmodel, dinputs, side, dtorch_step
+        del side
         if device == "cuda":
             torch.cuda.empty_cache()
     dt.shutdown()
