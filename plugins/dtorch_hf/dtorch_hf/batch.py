@@ -39,6 +39,11 @@ def lay_out(value, mesh: DeviceMesh, wanted: dict):
     return value.redistribute(mesh, placements) if changed else value
 
 
+def as_given(number: float):
+    """A float argument of an op back as diffusers' modules hold it: an int where it is whole."""
+    return int(number) if float(number).is_integer() else number
+
+
 def one_op_forward(original, weight, ndim: int, op):
     """A module forward of one ``ndim``-D tensor input that runs ``op(x)`` (one op on the
     workers) while the model's parameter ``weight()`` is a DTensor: a plain ``x`` (a pipeline's

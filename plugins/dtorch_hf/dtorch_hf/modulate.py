@@ -42,7 +42,7 @@ def norm_modulate_strategies(call):
             Strategy((Shard(1), R, R), (Shard(1),))]
 
 
-def one_op_forward(module, chunks: int):
+def modulated_forward(module, chunks: int):
     """A forward for an ``AdaLayerNormZero`` (``chunks`` 6) or ``AdaLayerNormZeroSingle`` (3):
     diffusers' steps, with the modulated norm as one op where it applies."""
     original = module.forward
@@ -68,9 +68,9 @@ def one_op_modulation(model) -> None:
 
     for module in model.modules():
         if type(module) is AdaLayerNormZero:
-            module.forward = one_op_forward(module, 6)
+            module.forward = modulated_forward(module, 6)
         elif type(module) is AdaLayerNormZeroSingle:
-            module.forward = one_op_forward(module, 3)
+            module.forward = modulated_forward(module, 3)
 
 
 def register(registry) -> None:

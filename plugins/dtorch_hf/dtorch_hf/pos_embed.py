@@ -22,7 +22,7 @@ import torch
 from dtorch_core.placement import Replicate, Shard
 from dtorch_core.planner.schema import Rule, Strategy
 
-from .batch import one_op_forward
+from .batch import as_given, one_op_forward
 
 R = Replicate()
 LIBRARY = torch.library.Library("dtorch_hf", "FRAGMENT")
@@ -33,8 +33,7 @@ def flux_pos_embed_kernel(ids, axes_dim, theta):
     """diffusers' ``FluxPosEmbed(theta, axes_dim)(ids)`` of (tokens, axes) ``ids``: (cos, sin)."""
     from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
-    # diffusers keeps theta as given (an int in its models); its float here changes no value
-    return FluxPosEmbed(theta=int(theta) if float(theta).is_integer() else theta, axes_dim=list(axes_dim))(ids)
+    return FluxPosEmbed(theta=as_given(theta), axes_dim=list(axes_dim))(ids)
 
 
 LIBRARY.impl("flux_pos_embed", flux_pos_embed_kernel, "CompositeExplicitAutograd")

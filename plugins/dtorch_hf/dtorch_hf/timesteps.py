@@ -19,7 +19,7 @@ import torch
 from dtorch_core.placement import Replicate, Shard
 from dtorch_core.planner.schema import Rule, Strategy
 
-from .batch import one_op_forward
+from .batch import as_given, one_op_forward
 
 R = Replicate()
 LIBRARY = torch.library.Library("dtorch_hf", "FRAGMENT")
@@ -27,16 +27,12 @@ LIBRARY.define("timestep_embedding(Tensor timesteps, int embedding_dim, bool fli
                "float downscale_freq_shift, float scale) -> Tensor")
 
 
-def _as_given(x: float):
-    return int(x) if float(x).is_integer() else x  # diffusers' modules hold ints there
-
-
 def timestep_embedding_kernel(timesteps, embedding_dim, flip_sin_to_cos, downscale_freq_shift, scale):
     """diffusers' ``get_timestep_embedding`` of 1-D ``timesteps``: (N, embedding_dim)."""
     from diffusers.models.embeddings import get_timestep_embedding
 
     return get_timestep_embedding(timesteps, embedding_dim, flip_sin_to_cos=flip_sin_to_cos,
-                                  downscale_freq_shift=_as_given(downscale_freq_shift), scale=_as_given(scale))
+                                  downscale_freq_shift=as_given(downscale_freq_shift), scale=as_given(scale))
 
 
 LIBRARY.impl("timestep_embedding", timestep_embedding_kernel, "CompositeExplicitAutograd")
