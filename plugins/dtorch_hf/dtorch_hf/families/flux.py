@@ -16,7 +16,7 @@ on the sequence (Shard(1) on "sp", uneven lengths exact). Attention runs through
 diffusers' FluxAttnProcessor: q/k/v are redistributed from sequence shards to head shards (an
 all-to-all), SDPA runs on whole sequences, and the output is redistributed back to sequence
 shards. On a tp x sp mesh the heads end up split over both dims. The single-stream blocks run
-with the text and image streams kept apart (``_two_stream_single_block``), so their
+with the text and image streams kept apart (``_single_block``), so their
 concatenation along the sequence never gathers.
 
 Batch (``"cfg"``, ``"dp"``): the inputs with a batch dim (``BATCH_INPUTS``) enter the model
@@ -38,8 +38,10 @@ from dtorch_core.placement import Shard
 
 from ..batch import lay_out
 from ..family import ModelFamily
-from ..modulate import one_op_modulation
+from ..blocks import one_op_blocks
+from ..modulate import gated_residual, one_op_applies, one_op_modulation
 from ..pos_embed import distributed_pos_embed
+from ..rms_norm import one_op_rms_norms
 from ..ring import ring_attention, ring_mesh_dim
 from ..ring_mask import RingMask
 from ..rotary import rotary
@@ -133,7 +135,7 @@ class DtorchFluxAttnProcessor:
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None, text_stream=None):
         """``text_stream``: a single-stream block's text tokens kept apart from ``hidden_states``
-        (see :func:`_two_stream_single_block`), projected like them; returns (text, image)."""
+        (see :func:`_single_block`), projected like them; returns (text, image)."""
         if getattr(attn, "fused_projections", False):
             raise NotImplementedError("dtorch's Flux attention does not serve fused qkv projections; unfuse them")
         streams = [_project(attn, hidden_states)]
@@ -167,31 +169,46 @@ def _ring_flux(streams: list, image_rotary_emb, ring_dim, attention_mask=None) -
     return ring_attention(*(list(ts) for ts in zip(*streams)), ring_dim, attn_mask=attention_mask)
 
 
-def _two_stream_single_block(block):
+def _single_block(block):
     """``block.forward`` (a FluxSingleTransformerBlock) with the text and image streams kept
-    apart where "sp" shards them. diffusers' block concatenates the two streams along the
-    sequence and splits them again at its end; with both streams sequence-sharded each of those
-    would gather the joint sequence. Every op of the block but attention is per token, so this
-    runs them per stream (the same modules, in the same order: the same values) and attention
-    over the joint sequence through the block's attention module, given both streams."""
+    apart where "sp" shards them, and with its gated residual as one op in inference.
+
+    diffusers' block concatenates the two streams along the sequence and splits them again at
+    its end; with both streams sequence-sharded each of those would gather the joint sequence.
+    Every op of the block but attention is per token, so under "sp" this runs them per stream
+    (the same modules: the same values) and attention over the joint sequence through the
+    block's attention module, given both streams. Without "sp", in inference on a distributed
+    model, it is diffusers' block with ``residual + gate.unsqueeze(1) * proj_out(...)`` as
+    dtorch_hf's ``gated_add``; otherwise diffusers' own forward."""
     original = block.forward
 
     def forward(hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
         kwargs = joint_attention_kwargs or {}
-        if not _sp_dims(hidden_states) or set(kwargs) - {"attention_mask"}:
+        if _sp_dims(hidden_states) and not set(kwargs) - {"attention_mask"}:
+            streams = (encoder_hidden_states, hidden_states)
+            normed = [block.norm(x, emb=temb) for x in streams]
+            attended = block.attn(hidden_states=normed[1][0], image_rotary_emb=image_rotary_emb,
+                                  text_stream=normed[0][0], attention_mask=kwargs.get("attention_mask"))
+            text, image = (_single_stream(block, x, n, gate, a) for x, (n, gate), a in zip(streams, normed, attended))
+            return text, image
+        if _sp_dims(hidden_states) or not one_op_applies(hidden_states):
             return original(hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
-        streams = (encoder_hidden_states, hidden_states)
-        normed = [block.norm(x, emb=temb) for x in streams]
-        attended = block.attn(hidden_states=normed[1][0], image_rotary_emb=image_rotary_emb, text_stream=normed[0][0],
-                              attention_mask=kwargs.get("attention_mask"))
-        outs = []
-        for x, (n, gate), a in zip(streams, normed, attended):
-            h = torch.cat([a, block.act_mlp(block.proj_mlp(n))], dim=2)
-            h = x + gate.unsqueeze(1) * block.proj_out(h)
-            outs.append(h.clip(-65504, 65504) if h.dtype == torch.float16 else h)
-        return outs[0], outs[1]
+        text_len = encoder_hidden_states.shape[1]
+        joint = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+        normed, gate = block.norm(joint, emb=temb)
+        attended = block.attn(hidden_states=normed, image_rotary_emb=image_rotary_emb, **kwargs)
+        joint = _single_stream(block, joint, normed, gate, attended)
+        return joint[:, :text_len], joint[:, text_len:]
 
     return forward
+
+
+def _single_stream(block, x, normed, gate, attended):
+    """The end of a single-stream block for one stream: ``x`` plus the gated projection of the
+    attention output beside the MLP's."""
+    h = torch.cat([attended, block.act_mlp(block.proj_mlp(normed))], dim=2)
+    h = gated_residual(x, gate, block.proj_out(h))
+    return h.clip(-65504, 65504) if h.dtype == torch.float16 else h
 
 
 def _sequence_shard_inputs(model):
@@ -233,10 +250,12 @@ def prepare(model: nn.Module) -> None:
     model.set_attn_processor(DtorchFluxAttnProcessor())
     model.register_forward_pre_hook(_sequence_shard_inputs(model), with_kwargs=True)
     for block in model.single_transformer_blocks:
-        block.forward = _two_stream_single_block(block)
+        block.forward = _single_block(block)
     model.pos_embed.forward = distributed_pos_embed(model.pos_embed, lambda: model.x_embedder.weight)
     one_op_timesteps(model, lambda: model.x_embedder.weight)
     one_op_modulation(model)
+    one_op_blocks(model)
+    one_op_rms_norms(model)
     setattr(model, _HOOKED, True)
 
 

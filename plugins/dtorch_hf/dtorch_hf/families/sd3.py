@@ -34,7 +34,9 @@ from dtorch_core.placement import Replicate, Shard
 
 from ..batch import lay_out
 from ..family import ModelFamily
+from ..blocks import one_op_blocks
 from ..modulate import one_op_modulation
+from ..rms_norm import one_op_rms_norms
 from ..ring import ring_attention, ring_mesh_dim
 from ..timesteps import one_op_timesteps
 from .flux import HEADS, SEQ, _move, _sp_dims, sp_mesh_dim
@@ -159,6 +161,8 @@ def prepare(model: nn.Module) -> None:
     model.proj_out.register_forward_hook(_gather_tokens)
     one_op_timesteps(model, lambda: model.proj_out.weight)
     one_op_modulation(model)
+    one_op_blocks(model)
+    one_op_rms_norms(model)
     setattr(model, _HOOKED, True)
 
 
