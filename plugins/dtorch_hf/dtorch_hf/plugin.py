@@ -1,13 +1,13 @@
 """The hook implementations of dtorch_hf (its entry point ``hf``): the families it serves, the
 worker kernel that ``from_pretrained`` reads weights with, Flux's one-op rotary embedding and
 rotary tables, and the one-op timestep embedding, adaLN-Zero modulation (modulated norm, gated
-residual) and RMSNorm of Flux and SD3."""
+residual), RMSNorm and joint-attention layout of Flux and SD3."""
 
 from __future__ import annotations
 
 from dtorch_core import hookimpl
 
-from . import modulate, pos_embed, rms_norm, rotary, timesteps
+from . import joint, modulate, pos_embed, rms_norm, rotary, timesteps
 from .families.clip import CLIP_TEXT_FAMILY
 from .families.flux import FLUX_FAMILY
 from .families.sd3 import SD3_FAMILY
@@ -32,6 +32,7 @@ def dtorch_register_ops(registry) -> None:
     timesteps.register(registry)
     modulate.register(registry)
     rms_norm.register(registry)
+    joint.register(registry)
 
 
 @hookimpl
@@ -42,3 +43,4 @@ def dtorch_register_kernels(registry) -> None:
     timesteps.register_kernels(registry)
     modulate.register_kernels(registry)
     rms_norm.register_kernels(registry)
+    joint.register_kernels(registry)

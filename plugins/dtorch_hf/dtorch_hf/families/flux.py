@@ -38,6 +38,7 @@ from dtorch_core.placement import Shard
 
 from ..batch import lay_out
 from ..family import ModelFamily
+from ..joint import joint_heads, stream_outputs
 from ..blocks import one_op_blocks
 from ..modulate import gated_residual, one_op_applies, one_op_modulation
 from ..pos_embed import distributed_pos_embed
@@ -112,15 +113,11 @@ def _joint_attention(attn, streams: list, image_rotary_emb, attention_mask=None)
     seq_sharded = [bool(_sp_dims(q)) and Shard(SEQ) in q.placements for q, _, _ in streams]
     moved = [tuple(_move(t, SEQ, HEADS) for t in stream) for stream in streams]
     lengths = [q.shape[SEQ] for q, _, _ in moved]
-    query, key, value = (torch.cat(ts, dim=1) if len(ts) > 1 else ts[0] for ts in zip(*moved))
-    if image_rotary_emb is not None:
-        query, key = rotary(query, image_rotary_emb), rotary(key, image_rotary_emb)
-    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                         attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
-    out = out.transpose(1, 2)
+    query, key, value = joint_heads(*(list(ts) for ts in zip(*moved)), image_rotary_emb)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
     # split the joint sequence while it is whole (head-sharded), then each stream back to its
     # own sequence shards
-    parts = out.split_with_sizes(lengths, dim=1) if len(lengths) > 1 else (out,)
+    parts = stream_outputs(out, lengths)
     return [_move(part, HEADS, SEQ) if sharded else part for part, sharded in zip(parts, seq_sharded)]
 
 

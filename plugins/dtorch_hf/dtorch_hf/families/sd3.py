@@ -34,6 +34,7 @@ from dtorch_core.placement import Replicate, Shard
 
 from ..batch import lay_out
 from ..family import ModelFamily
+from ..joint import joint_heads, stream_outputs
 from ..blocks import one_op_blocks
 from ..modulate import one_op_modulation
 from ..rms_norm import one_op_rms_norms
@@ -78,27 +79,22 @@ class DtorchSD3AttnProcessor:
         if ring_dim is not None:
             return _ring_sd3(attn, query, key, value, encoder_hidden_states, ring_dim)
         img_seq = bool(_sp_dims(query)) and Shard(SEQ) in query.placements
-        query, key, value = (_move(t, SEQ, HEADS) for t in (query, key, value))
-        img_len = query.shape[1]
+        streams = [tuple(_move(t, SEQ, HEADS) for t in (query, key, value))]
         txt_seq = False
         if encoder_hidden_states is not None:
             eq = _norm(attn.norm_added_q, _heads(attn, attn.add_q_proj(encoder_hidden_states)))
             ek = _norm(attn.norm_added_k, _heads(attn, attn.add_k_proj(encoder_hidden_states)))
             ev = _heads(attn, attn.add_v_proj(encoder_hidden_states))
             txt_seq = bool(_sp_dims(eq)) and Shard(SEQ) in eq.placements
-            eq, ek, ev = (_move(t, SEQ, HEADS) for t in (eq, ek, ev))
-            # image first, then text (JointAttnProcessor2_0's order; Flux's is the reverse)
-            query = torch.cat([query, eq], dim=1)
-            key = torch.cat([key, ek], dim=1)
-            value = torch.cat([value, ev], dim=1)
-        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                             dropout_p=0.0, is_causal=False)
-        out = out.transpose(1, 2)
+            streams.append(tuple(_move(t, SEQ, HEADS) for t in (eq, ek, ev)))
+        # image first, then text (JointAttnProcessor2_0's order; Flux's is the reverse)
+        q, k, v = joint_heads(*(list(ts) for ts in zip(*streams)))
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.0, is_causal=False)
+        # split the joint sequence while it is whole (head-sharded)
+        outs = stream_outputs(out, [s[0].shape[SEQ] for s in streams])
+        out, enc = outs if len(outs) == 2 else (outs[0], None)
         dtype = query.dtype
-        enc = None
-        if encoder_hidden_states is not None:
-            # split the joint sequence while it is whole (head-sharded)
-            out, enc = out.split_with_sizes([img_len, out.shape[1] - img_len], dim=1)
+        if enc is not None:
             if txt_seq:
                 enc = _move(enc, HEADS, SEQ)
             enc = enc.flatten(2, 3).to(dtype).contiguous()
