@@ -4,11 +4,11 @@ without any rank holding the whole sequence's keys and values.
 Every stream (Flux/SD3: text and image, or one joint stream) arrives as (batch, seq, heads,
 head_dim) sharded on the sequence over the sp mesh dim, uneven lengths allowed (torch.chunk's
 layout). Each stream is padded at its end to ``n * ceil(seq / n)`` (each rank pads its own shard:
-no data moves, see dtorch_core's constant_pad rule), and laid out as ``n`` blocks along a leading
-dim: rank i holds block i, the streams' blocks side by side, in the (batch, heads, tokens,
-head_dim) layout of the attention kernels with batch and block as one leading dim (see
-:func:`block_first` for their order: the one whose merge keeps every rank's blocks one
-contiguous run, so no layout of it gathers). Then ``n``
+no data moves, see dtorch_core's constant_pad rule), and laid out as ``n`` blocks: rank i holds block i, the streams' blocks side by side, in the
+(batch, heads, tokens, head_dim) layout of the attention kernels with the batch and the block as
+three leading dims, (outer, block, inner), which the kernels see as one (see :func:`batch_outer`:
+the batch is split into the part the mesh dims before "sp" shard and the rest, so that the
+merge keeps every rank's rows one contiguous run and no layout of it gathers). Then ``n``
 steps: each rank attends its query block to the key/value block it holds (a kernel that returns
 the log-sum-exp: :func:`_attend`), merges the partial output with the running one through the
 log-sum-exp (online softmax, in fp32), and the key/value blocks move one rank round the ring (a
@@ -40,11 +40,13 @@ import torch.nn.functional as F
 import dtorch_core as dt
 from dtorch_core.placement import Replicate, Shard
 
-from .ring_mask import RingMask, block_positions
+from .ring_mask import BLOCK, RingMask, block_positions
 
 aten = torch.ops.aten
 SP_MODE_ATTR = "dtorch_sp_mode"
 SEQ = 1  # (batch, sequence, heads, head_dim): diffusers' attention layout
+TOKENS = 4  # of the blocks' layout (ring_mask.BLOCK)
+LEAD_SHARDS = (Shard(0), Shard(BLOCK), Shard(2))
 
 
 def set_sp_mode(model, sp_mode: str) -> None:
@@ -88,58 +90,63 @@ def ring_attention(queries, keys, values, mesh_dim: int, scale: float | None = N
     n = mesh.size(mesh_dim)
     lengths = [q.shape[SEQ] for q in queries]
     blocks = [-(-s // n) for s in lengths]
-    order = (1, 0) if block_first(queries[0], mesh_dim) else (0, 1)
-    q, k, v = (torch.cat([_to_blocks(t, n, order) for t in ts], dim=3) for ts in (queries, keys, values))
-    block_dim = order.index(1)
+    outer = batch_outer(queries[0], mesh_dim)
+    q, k, v = (torch.cat([_to_blocks(t, n, outer) for t in ts], dim=TOKENS) for ts in (queries, keys, values))
     if attn_mask is None:
-        biases = _key_biases(block_positions(lengths, n), block_dim, q, mesh)
+        biases = _key_biases(block_positions(lengths, n), q, mesh)
         live = None
     else:
         mask = attn_mask if isinstance(attn_mask, RingMask) else RingMask(attn_mask)
-        biases, live = mask.biases(lengths, q, block_dim)
-    out = _RingAttention.apply(q, k, v, biases, scale, block_dim)
+        biases, live = mask.biases(lengths, q)
+    out = _RingAttention.apply(q, k, v, biases, scale)
     if live is not None:
         out = torch.where(live, out, 0.0)  # rows with nothing to attend to: SDPA's 0
-    return [_from_blocks(o, s, order) for o, s in zip(out.split(blocks, dim=3), lengths)]
+    return [_from_blocks(o, s) for o, s in zip(out.split(blocks, dim=TOKENS), lengths)]
 
 
-def block_first(x, mesh_dim: int) -> bool:
-    """Whether the kernels' leading dim is (block, batch) rather than (batch, block), for a
-    (batch, seq, heads, dim) ``x`` sharded on the sequence over ``mesh_dim``. The kernels merge
-    the two dims, and dtorch_core keeps the merge sharded only where every rank's part of it is
-    one contiguous run. The block dim has one block per rank, so (block, batch) gives rank i
-    the run [i * batch, (i + 1) * batch): whole for any batch, and nested as dtorch_core nests
-    shards (in mesh-dim order) where a later mesh dim splits the batch. Where a mesh dim before
-    the "sp" one splits the batch ("cfg" first), the nesting wants (batch, block), contiguous
-    where each rank holds one batch row; with more rows per rank neither order is one run per
-    rank (that needs a strided placement dtorch_core does not have), and the merge gathers."""
+def batch_outer(x, mesh_dim: int) -> int:
+    """How many parts the mesh dims before ``mesh_dim`` ("sp") cut the batch of ``x`` into (1
+    where none splits it; the whole batch where they split it unevenly).
+
+    The kernels merge the leading dims (outer, block, inner) into one, and dtorch_core keeps the
+    merge sharded only where every rank's part of it is one contiguous run; it nests shards in
+    mesh-dim order. Rank i of "sp" holds block i, so with the batch cut into ``outer`` parts
+    (one per rank of the mesh dims before "sp", "cfg" first) and ``inner`` rows each, rank (c, i)
+    holds the run [(c * n + i) * inner, (c * n + i + 1) * inner): contiguous for any batch,
+    nested further where a mesh dim after "sp" splits the inner rows. Where the dims before "sp"
+    split the batch unevenly there is no such cut: outer is then the batch (one row per part),
+    and a rank holding several rows holds several runs, so the merge gathers."""
     mesh = x.device_mesh
-    return not any(p == Shard(0) and mesh.size(i) > 1 for i, p in enumerate(x.placements[:mesh_dim]))
+    outer = 1
+    for i, p in enumerate(x.placements[:mesh_dim]):
+        if p == Shard(0):
+            outer *= mesh.size(i)
+    return outer if x.shape[0] % outer == 0 else x.shape[0]
 
 
-def _to_blocks(x, n: int, order: tuple):
-    """(batch, seq, heads, dim) -> (batch, n, heads, ceil(seq / n), dim), its first two dims in
-    ``order`` ((1, 0): block first): block i is shard i."""
-    length = x.shape[SEQ]
+def _to_blocks(x, n: int, outer: int):
+    """(batch, seq, heads, dim) -> (outer, n, batch / outer, heads, ceil(seq / n), dim): block i
+    is shard i."""
+    batch, length = x.shape[0], x.shape[SEQ]
     padded = n * -(-length // n)
     x = F.pad(x, (0, 0, 0, 0, 0, padded - length))
-    return x.unflatten(SEQ, (n, padded // n)).permute(*order, 3, 2, 4)
+    return x.view(outer, batch // outer, n, padded // n, *x.shape[2:]).permute(0, 2, 1, 4, 3, 5)
 
 
-def _from_blocks(x, length: int, order: tuple):
+def _from_blocks(x, length: int):
     """The inverse of :func:`_to_blocks`."""
-    x = x.permute(*order, 3, 2, 4).flatten(1, 2)
+    x = x.permute(0, 2, 1, 4, 3, 5).flatten(2, 3).flatten(0, 1)
     return F.pad(x, (0, 0, 0, 0, 0, length - x.shape[SEQ]))
 
 
 def merged_placements(x) -> list:
-    """Placements of ``x``'s first two dims merged into one (the kernels' leading dim), its
-    other dims dropped: where :func:`block_first` chose the order, a shard of either dim is a
-    shard of the merge."""
-    return [Shard(0) if p == Shard(0) or p == Shard(1) else Replicate() for p in x.placements]
+    """Placements of the blocks' three leading dims merged into one (the kernels' leading dim),
+    ``x``'s other dims dropped: with the batch cut as :func:`batch_outer` cuts it, a shard of any
+    of them is a shard of the merge."""
+    return [Shard(0) if p in LEAD_SHARDS else Replicate() for p in x.placements]
 
 
-def _key_biases(positions, block_dim: int, q, mesh) -> list | None:
+def _key_biases(positions, q, mesh) -> list | None:
     """Per ring step, the additive key bias (the kernels' leading dim, 1, 1, keys) of the key
     blocks each rank holds then (0 on real keys, the dtype's minimum on padding; finite, so a
     block of padding alone gives a log-sum-exp that the merge weighs to zero), laid out as the
@@ -154,16 +161,16 @@ def _key_biases(positions, block_dim: int, q, mesh) -> list | None:
     where = merged_placements(q)
     out = []
     for step in range(n):
-        rolled = bias.roll(-step, 0)[:, None, None, None, :]  # rank i holds block i + step
-        full = rolled.movedim(0, block_dim).expand(*q.shape[:2], 1, 1, bias.shape[1]).flatten(0, 1).contiguous()
+        rolled = bias.roll(-step, 0)[None, :, None, None, None, :]  # rank i holds block i + step
+        full = rolled.expand(q.shape[0], n, q.shape[2], 1, 1, bias.shape[1]).flatten(0, 2).contiguous()
         out.append(dt.distribute_tensor(full, mesh, where))
     return out
 
 
-def _pass_on(x, block_dim: int):
-    """``x`` (k/v, then the blocks' leading dims, ...) with every rank holding its neighbour's
-    block (rank i gets rank i + 1's): one shift."""
-    return torch.roll(x, -1, 1 + block_dim)
+def _pass_on(x):
+    """``x`` (k/v, then the blocks' layout) with every rank holding its neighbour's block (rank
+    i gets rank i + 1's): one shift."""
+    return torch.roll(x, -1, 1 + BLOCK)
 
 
 def _attend(q, k, v, bias, scale, needs_grad=True):
@@ -212,20 +219,20 @@ def _full_bias(bias, q, k):
 
 
 class _RingAttention(torch.autograd.Function):
-    """Attention of query blocks (the blocks' two leading dims, heads, L, dim) against every
-    key/value block, passed round the ring along ``block_dim``; forward and backward as the
-    module docstring says. The kernels see the two leading dims as one."""
+    """Attention of query blocks (the blocks' layout: three leading dims, heads, L, dim) against
+    every key/value block, passed round the ring along the block dim; forward and backward as
+    the module docstring says. The kernels see the three leading dims as one."""
 
     @staticmethod
-    def forward(ctx, q, k, v, biases, scale, block_dim):
-        n = q.shape[block_dim]
-        flat_q = q.flatten(0, 1)
+    def forward(ctx, q, k, v, biases, scale):
+        n = q.shape[BLOCK]
+        flat_q = q.flatten(0, 2)
         kv = torch.stack([k, v])
         out = lse = None
         needs_grad = any(ctx.needs_input_grad[:3])
         for step in range(n):
             bias = None if biases is None else biases[step]
-            part, part_lse, state = _attend(flat_q, kv[0].flatten(0, 1), kv[1].flatten(0, 1), bias, scale, needs_grad)
+            part, part_lse, state = _attend(flat_q, kv[0].flatten(0, 2), kv[1].flatten(0, 2), bias, scale, needs_grad)
             part = part.float()
             if out is None:
                 out, lse = part, part_lse
@@ -234,30 +241,29 @@ class _RingAttention(torch.autograd.Function):
                 out = out * torch.exp(lse - merged).unsqueeze(-1) + part * torch.exp(part_lse - merged).unsqueeze(-1)
                 lse = merged
             if step < n - 1:
-                kv = _pass_on(kv, block_dim)
+                kv = _pass_on(kv)
         out = out.to(q.dtype)
         ctx.save_for_backward(flat_q, k, v, out, lse)
-        ctx.biases, ctx.scale, ctx.kernel_state, ctx.block_dim = biases, scale, state, block_dim
-        return out.unflatten(0, tuple(q.shape[:2]))
+        ctx.biases, ctx.scale, ctx.kernel_state = biases, scale, state
+        return out.unflatten(0, tuple(q.shape[:3]))
 
     @staticmethod
     def backward(ctx, grad_out):
         flat_q, k, v, out, lse = ctx.saved_tensors
-        block_dim = ctx.block_dim
-        n = k.shape[block_dim]
+        n = k.shape[BLOCK]
         kv = torch.stack([k, v])
         grad_kv = torch.zeros_like(kv, dtype=torch.float32)
         grad_q = None
-        grad_out = grad_out.flatten(0, 1).contiguous()
+        grad_out = grad_out.flatten(0, 2).contiguous()
         lse = _kernel_lse(lse, ctx.kernel_state)
         for step in range(n):
             bias = None if ctx.biases is None else ctx.biases[step]
-            gq, gk, gv = _attend_backward(grad_out, flat_q, kv[0].flatten(0, 1), kv[1].flatten(0, 1), bias, out, lse,
+            gq, gk, gv = _attend_backward(grad_out, flat_q, kv[0].flatten(0, 2), kv[1].flatten(0, 2), bias, out, lse,
                                           ctx.kernel_state, ctx.scale)
             grad_q = gq.float() if grad_q is None else grad_q + gq.float()
-            grad_kv = grad_kv + torch.stack([gk, gv]).unflatten(1, tuple(k.shape[:2])).float()
+            grad_kv = grad_kv + torch.stack([gk, gv]).unflatten(1, tuple(k.shape[:3])).float()
             if step < n - 1:
-                kv = _pass_on(kv, block_dim)
-            grad_kv = _pass_on(grad_kv, block_dim)  # the last pass brings each block's gradient home
-        grad_q = grad_q.to(flat_q.dtype).unflatten(0, tuple(k.shape[:2]))
-        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None, None
+                kv = _pass_on(kv)
+            grad_kv = _pass_on(grad_kv)  # the last pass brings each block's gradient home
+        grad_q = grad_q.to(flat_q.dtype).unflatten(0, tuple(k.shape[:3]))
+        return grad_q, grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None

@@ -39,6 +39,7 @@ import dtorch_core as dt
 from dtorch_core.placement import Replicate, Shard
 
 NEG_INF = float("-inf")
+BLOCK, HEADS = 1, 3  # ring.py's blocks layout: (outer, block, inner, heads, tokens, head_dim)
 
 
 def block_positions(lengths, n: int) -> torch.Tensor:
@@ -66,28 +67,28 @@ class RingMask:
         self.mask = mask
         self._laid_out = {}
 
-    def biases(self, lengths, q, block_dim: int) -> tuple[list, object]:
-        key = (tuple(lengths), tuple(q.shape), tuple(q.placements), q.dtype, q.device_mesh, block_dim)
+    def biases(self, lengths, q) -> tuple[list, object]:
+        key = (tuple(lengths), tuple(q.shape), tuple(q.placements), q.dtype, q.device_mesh)
         if key not in self._laid_out:
-            self._laid_out[key] = lay_out_mask(self.mask, tuple(lengths), q, block_dim)
+            self._laid_out[key] = lay_out_mask(self.mask, tuple(lengths), q)
         return self._laid_out[key]
 
 
-def lay_out_mask(mask, lengths: tuple, q, block_dim: int) -> tuple[list, object]:
+def lay_out_mask(mask, lengths: tuple, q) -> tuple[list, object]:
     """Per ring step the additive bias (the kernels' leading dim, heads or 1, queries or 1,
     keys) of the key block each rank holds then, in ``q``'s dtype and laid out as the kernels'
-    inputs; and ``live`` (q's two leading dims, heads or 1, queries or 1, 1), False on dead rows.
-    ``q``: the query blocks (two leading dims, batch and block, the block at ``block_dim``;
-    heads, block length, head_dim); ``lengths``: the streams' lengths."""
-    n, batch, heads = q.shape[block_dim], q.shape[1 - block_dim], q.shape[2]
-    mesh, total = q.device_mesh, sum(lengths)
+    inputs; and ``live`` (q's three leading dims, heads or 1, queries or 1, 1), False on dead
+    rows. ``q``: the query blocks in ring.py's layout (outer, block, inner, heads, block length,
+    head_dim; the batch is outer x inner); ``lengths``: the streams' lengths."""
+    outer, n, inner, heads = q.shape[:4]
+    batch, mesh, total = outer * inner, q.device_mesh, sum(lengths)
     mask = _broadcast_4d(mask, batch, heads, total)
     row_dim = None if mask.shape[2] == 1 else 2
-    where = _mask_placements(q, block_dim, mask.shape, row_dim)
+    where = _mask_placements(q, mask.shape, row_dim)
     if row_dim is None:
         # one row every query meets: each rank's query block gets a copy of it (a view)
         bias = _as_bias(_placed(mask, mesh, where)).unsqueeze(2).expand(-1, -1, n, -1, -1)
-        bias = bias.redistribute(mesh, _mask_placements(q, block_dim, bias.shape, 2))
+        bias = bias.redistribute(mesh, _mask_placements(q, bias.shape, 2))
     else:
         parts, start = [], 0
         for length in lengths:  # each stream's rows, sharded as its queries are
@@ -103,27 +104,32 @@ def lay_out_mask(mask, lengths: tuple, q, block_dim: int) -> tuple[list, object]
     top = bias.amax(dim=(4, 5), keepdim=True)  # each query row's largest entry over every key
     live = top > NEG_INF
     bias = (bias - torch.where(live, top, 0.0)).clamp_min(torch.finfo(q.dtype).min).to(q.dtype)
-    kernel = [2, 0] if block_dim == 0 else [0, 2]  # (query block, batch) or (batch, query block)
     steps = []
     for t in range(n):
-        step = bias[:, :, :, :, t].expand(batch, -1, -1, -1, -1).permute(*kernel, 1, 3, 4)
-        steps.append(step.redistribute(mesh, _kernel_placements(q, step.shape[2] > 1)).flatten(0, 1).contiguous())
-    live = live.squeeze(-1).permute(*kernel, 1, 3, 4)
-    return steps, live
+        step = _blocks_layout(bias[:, :, :, :, t].expand(batch, -1, -1, -1, -1), outer, inner)
+        steps.append(step.redistribute(mesh, _kernel_placements(q, step.shape[HEADS] > 1)).flatten(0, 2).contiguous())
+    return steps, _blocks_layout(live.squeeze(-1), outer, inner)
 
 
-def _mask_placements(q, block_dim: int, shape, row_dim) -> list:
+def _blocks_layout(x, outer: int, inner: int):
+    """(batch or 1, heads or 1, query block, rows, ...) -> ring.py's (outer, query block, inner,
+    heads, rows, ...) (outer and inner 1 where the batch is)."""
+    x = x.unflatten(0, (outer, inner) if x.shape[0] > 1 else (1, 1))
+    return x.permute(0, 3, 1, 2, *range(4, x.ndim))
+
+
+def _mask_placements(q, shape, row_dim) -> list:
     """Placements of a (batch, heads, ...) mask tensor of ``shape`` for the query blocks ``q``:
-    the batch and heads shards of ``q`` where the mask has those dims (else they broadcast:
-    Replicate), and ``q``'s block shard (over "sp") on ``row_dim``, the dim of the mask that
-    holds the query rows or blocks (None: not sharded there)."""
+    the batch (outer and inner) and heads shards of ``q`` where the mask has those dims (else
+    they broadcast: Replicate), and ``q``'s block shard (over "sp") on ``row_dim``, the dim of
+    the mask that holds the query rows or blocks (None: not sharded there)."""
     out = []
     for p in q.placements:
-        if p == Shard(1 - block_dim) and shape[0] > 1:
+        if (p == Shard(0) or p == Shard(2)) and shape[0] > 1:
             out.append(Shard(0))
-        elif p == Shard(block_dim) and row_dim is not None:
+        elif p == Shard(BLOCK) and row_dim is not None:
             out.append(Shard(row_dim))
-        elif p == Shard(2) and shape[1] > 1:
+        elif p == Shard(HEADS) and shape[1] > 1:
             out.append(Shard(1))
         else:
             out.append(Replicate())
@@ -131,9 +137,9 @@ def _mask_placements(q, block_dim: int, shape, row_dim) -> list:
 
 
 def _kernel_placements(q, has_heads: bool) -> list:
-    """Placements of a step's bias (q's two leading dims, heads, rows, keys) before its leading
+    """Placements of a step's bias (q's three leading dims, heads, rows, keys) before its leading
     dims merge: q's shards of those dims, and its heads shard where the mask has heads."""
-    return [p if p == Shard(0) or p == Shard(1) or (p == Shard(2) and has_heads) else Replicate()
+    return [p if p in (Shard(0), Shard(BLOCK), Shard(2)) or (p == Shard(HEADS) and has_heads) else Replicate()
             for p in q.placements]
 
 

@@ -33,7 +33,10 @@ MESHES = {"sp4": ((4,), ("sp",)), "sp3": ((3,), ("sp",)), "tp2xsp2": ((2, 2), ("
 SHARDED_DIM = {"sp": 1, "tp": 2, "cfg": 0}
 # (mesh, stream lengths): 5 text tokens on 4 ranks are 2/2/1/0 (the last block all padding), 13
 # on 3 are 5/5/3, and both streams uneven on tp x sp and cfg x sp
-LAYOUTS = [("sp4", (5, 8)), ("sp3", (13,)), ("tp2xsp2", (7, 6)), ("cfg2xsp2", (5, 6))]
+# (mesh, stream lengths, batch); on cfg x sp a row per cfg rank, and two (the ring's (outer,
+# block, inner) layout keeps each rank's rows one run)
+LAYOUTS = [("sp4", (5, 8), 1), ("sp3", (13,), 1), ("tp2xsp2", (7, 6), 1), ("cfg2xsp2", (5, 6), 2),
+           ("cfg2xsp2", (5, 6), 4)]
 # batches > 1 on "sp" alone: tests/test_sp_batch.py
 
 
@@ -44,10 +47,6 @@ def _mesh(name):
 
 def _placements(mesh):
     return [dt.Shard(SHARDED_DIM[name]) for name in mesh.mesh_dim_names]
-
-
-def _batch(mesh):
-    return 2 if "cfg" in mesh.mesh_dim_names else 1
 
 
 def _key_padding(batch, total, g):
@@ -107,12 +106,13 @@ def _sdpa(qkv, mask):
 
 
 @pytest.mark.parametrize("mask_name", sorted(MASKS))
-@pytest.mark.parametrize("mesh_name,lengths", LAYOUTS, ids=[f"{m}-{'+'.join(map(str, s))}" for m, s in LAYOUTS])
-def test_masked_ring_matches_sdpa(session, mesh_name, lengths, mask_name):
+@pytest.mark.parametrize("mesh_name,lengths,batch", LAYOUTS,
+                         ids=[f"{m}-{'+'.join(map(str, s))}-b{b}" for m, s, b in LAYOUTS])
+def test_masked_ring_matches_sdpa(session, mesh_name, lengths, batch, mask_name):
     mesh = _mesh(mesh_name)
     g = torch.Generator().manual_seed(2)
-    qkv = _streams(_batch(mesh), lengths, g)
-    mask = MASKS[mask_name](_batch(mesh), sum(lengths), g)
+    qkv = _streams(batch, lengths, g)
+    mask = MASKS[mask_name](batch, sum(lengths), g)
     where = _placements(mesh)
     dists = [[dt.distribute_tensor(t.detach(), mesh, where).requires_grad_() for t in ts] for ts in qkv]
     sp = mesh.size(mesh.mesh_dim_names.index("sp"))
