@@ -7,7 +7,10 @@ changes (its chunks would no longer line up). A Shard -> Shard change on one mes
 all-to-all inside its groups where every other mesh dim sharding either tensor dim comes before
 it and is not redone (Ulysses on ("tp", "sp"): [Shard(heads), Shard(seq)] <-> [Shard(heads),
 Shard(heads)]): a group's members then hold the same outer chunk, so the all-to-all of their
-local chunks is exact, uneven sizes included; otherwise it is gathered and chunked again.
+local chunks is exact, uneven sizes included; otherwise it is gathered and chunked again. A
+Partial -> Shard change is a reduce-scatter under the same condition (sequence parallel on
+("sp", "tp"): [Shard(seq), Partial] -> [Shard(seq), Shard(seq)], a row-parallel output reduced
+and scattered over "tp" within each "sp" chunk); otherwise it is reduced whole and chunked.
 """
 
 from __future__ import annotations
@@ -47,11 +50,6 @@ def plan_redistribute(src: tuple, dst: tuple) -> tuple[Step, ...]:
         # a later Shard on any dim nested under an earlier changing Shard of the same dim
     steps: list[Step] = []
 
-    def sharded_elsewhere(i, dims):
-        return any(
-            j != i and isinstance(p, Shard) and p.dim in dims for j in range(n) for p in (cur[j], dst[j])
-        )
-
     def nested_in_fixed_outer(i, dims):
         # every other mesh dim sharding ``dims`` comes before i and stays as it is: the members of
         # an i-group (equal coordinates on every other mesh dim) hold one and the same outer chunk,
@@ -65,7 +63,7 @@ def plan_redistribute(src: tuple, dst: tuple) -> tuple[Step, ...]:
         if not redo[i]:
             continue
         s, d = cur[i], dst[i]
-        if isinstance(s, Partial) and isinstance(d, Shard) and not sharded_elsewhere(i, {d.dim}):
+        if isinstance(s, Partial) and isinstance(d, Shard) and nested_in_fixed_outer(i, {d.dim}):
             cur[i] = d
             steps.append(Step("reduce_scatter", i, tuple(cur), dim=d.dim, reduce_op=s.reduce_op))
         elif (

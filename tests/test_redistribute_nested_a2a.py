@@ -8,7 +8,9 @@ tensors with the runners' own arithmetic (comm/collectives.py), equals each rank
 region of the destination; on the thread and process runners (the process runner both through
 all-gathers and through gloo's own all_to_all_single) with uneven sizes on both dims on (2, 2),
 (2, 3) and (3, 2), values equal torch forward and backward, and each direction issues exactly
-one all_to_all; a later mesh dim sharding the same tensor dim still gathers.
+one all_to_all; a later mesh dim sharding the same tensor dim still gathers. The same for
+the reduce-scatter analogue (Partial -> Shard under an unchanging outer Shard of that dim): one
+reduce_scatter, each rank its region.
 """
 
 from __future__ import annotations
@@ -156,3 +158,52 @@ def test_nested_all_to_all_backward_is_one_all_to_all(six, mesh_shape):
     assert comm.counts_by_op().get("redistribute") == {"all_to_all": 1}, comm.counts_by_op()
     assert x.grad.placements == src
     assert torch.equal(x.grad.full_tensor(), w)
+
+
+# The reduce-scatter analogue: Partial -> Shard(a) on a mesh dim while an earlier, unchanging
+# mesh dim shards tensor dim a (sequence parallel on ("sp", "tp"): a row-parallel output reduced
+# and scattered over "tp" within each "sp" chunk) is one reduce-scatter of the outer chunk.
+
+
+def _partial_pairs(ndim: int):
+    for a in range(ndim):
+        yield (S(a), dt.Partial()), (S(a), S(a))
+
+
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_nested_reduce_scatter_plan_gives_each_rank_its_region(mesh_shape):
+    t = torch.randint(-8, 8, (5, 7, 3)).float()  # small integers: every partial sum is exact
+    coords = list(itertools.product(*(range(n) for n in mesh_shape)))
+    for src, dst in _partial_pairs(t.ndim):
+        steps = plan_redistribute(src, dst)
+        assert [(s.kind, s.mesh_dim) for s in steps] == [("reduce_scatter", 1)], (src, dst, steps)
+        # the members of a mesh-dim-1 group hold parts of their outer chunk: member 0 all of it
+        # plus (m - 1), every other member -1
+        m = mesh_shape[1]
+        local = {}
+        for c in coords:
+            outer = _region(t, (src[0], R), mesh_shape, c)
+            local[c] = outer + (m - 1) if c[1] == 0 else -torch.ones_like(outer)
+        groups: dict = {}
+        for c in coords:
+            groups.setdefault(c[0], []).append(c)
+        for members in groups.values():
+            results = combine_all("reduce_scatter", [local[c] for c in members], steps[0].dim, "sum", 0)
+            for c, value in zip(members, results):
+                assert torch.equal(value, _region(t, dst, mesh_shape, c)), (src, dst, c)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("mesh_shape", MESHES)
+def test_nested_reduce_scatter_equals_torch(six, mesh_shape, shape):
+    mesh = dt.init_device_mesh(DEVICE, mesh_shape, mesh_dim_names=("sp", "tp"))
+    torch.manual_seed(sum(mesh_shape) + sum(shape))
+    t = torch.randn(shape)
+    for src, dst in _partial_pairs(len(shape)):
+        x = dt.distribute_tensor(t, mesh, list(src))
+        with dt.debug.comm_mode() as comm:
+            y = x.redistribute(mesh, list(dst))
+        assert comm.counts() == {"reduce_scatter": 1}, (src, dst, comm.counts())
+        assert y.placements == dst
+        for rank, local in y.local_shards().items():
+            assert torch.equal(local, _region(t, dst, mesh_shape, root_coordinate(mesh, rank))), (src, dst, rank)
