@@ -8,9 +8,9 @@ dispatches on the controller. After it the output is transposed back and split i
 In inference on a distributed model each side is one op whose kernel is those steps on each
 worker's shard, so the values are the same; SDPA itself stays its own op (an attention-kernel
 plugin serves it). The rule follows the layout: the batch or the heads may be split (Ulysses has
-moved the sequence to whole by then), the sequence and head_dim not. With gradients, autocast,
-plain tensors or a single stream (whose value would leave the op as a view of its input) the
-steps run as separate ops.
+moved the sequence to whole by then), the sequence and head_dim not. With gradients, autocast
+or plain tensors the steps run as separate ops, and so does a single stream's value (its
+transpose is a view: an op's output may not be a view of its input).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .rotary import rotary
 
 R = Replicate()
 LIBRARY = torch.library.Library("dtorch_hf", "FRAGMENT")
-LIBRARY.define("joint_heads(Tensor[] q, Tensor[] k, Tensor[] v, Tensor? cos, Tensor? sin) -> (Tensor, Tensor, Tensor)")
+LIBRARY.define("joint_heads(Tensor[] q, Tensor[] k, Tensor[] v, Tensor? cos, Tensor? sin) -> Tensor[]")
 LIBRARY.define("stream_outputs(Tensor out, SymInt[] lengths) -> Tensor[]")
 
 
@@ -40,9 +40,10 @@ def _joined(parts, tables):
 
 def joint_heads_kernel(q, k, v, cos, sin):
     """q, k, v of the streams ((batch, seq_i, heads, head_dim) each) joined along the sequence,
-    q and k rotated by the (seq, head_dim) tables where given, as (batch, heads, seq, head_dim)."""
+    q and k rotated by the (seq, head_dim) tables where given, as (batch, heads, seq, head_dim);
+    without v (an empty list) q and k alone."""
     tables = None if cos is None else (cos, sin)
-    return _joined(q, tables), _joined(k, tables), _joined(v, None)
+    return [_joined(q, tables), _joined(k, tables)] + ([_joined(v, None)] if v else [])
 
 
 def stream_outputs_kernel(out, lengths):
@@ -63,12 +64,12 @@ stream_outputs_op = torch.ops.dtorch_hf.stream_outputs.default
 
 def joint_heads_strategies(call):
     """The streams (batch, seq, heads, head_dim), the tables (seq, head_dim) -> (batch, heads,
-    seq, head_dim) x 3."""
+    seq, head_dim) each."""
     tables = (R,) * (2 if call.args[3] is not None else 0)
-    streams = len(call.inputs) - len(tables)
-    return [Strategy((R,) * len(call.inputs), (R,) * 3),
-            Strategy((Shard(0),) * streams + tables, (Shard(0),) * 3),
-            Strategy((Shard(2),) * streams + tables, (Shard(1),) * 3)]
+    streams, n = len(call.inputs) - len(tables), len(call.outputs)
+    return [Strategy((R,) * len(call.inputs), (R,) * n),
+            Strategy((Shard(0),) * streams + tables, (Shard(0),) * n),
+            Strategy((Shard(2),) * streams + tables, (Shard(1),) * n)]
 
 
 def stream_outputs_strategies(call):
@@ -81,9 +82,12 @@ def joint_heads(queries: list, keys: list, values: list, tables=None) -> tuple:
     """The (batch, heads, seq, head_dim) query, key and value of the joint sequence of the
     streams (lists of (batch, seq_i, heads, head_dim) tensors), q and k rotated by ``tables``
     ((cos, sin), over the joint sequence) where given."""
-    if one_op_applies(queries[0]) and len(queries) > 1:
+    if one_op_applies(queries[0]) and (len(queries) > 1 or tables is not None):
         cos, sin = tables if tables is not None else (None, None)
-        return joint_heads_op(queries, keys, values, cos, sin)
+        if len(queries) > 1:
+            return tuple(joint_heads_op(queries, keys, values, cos, sin))
+        q, k = joint_heads_op(queries, keys, [], cos, sin)  # one stream's value needs no op
+        return q, k, values[0].transpose(1, 2)
     q, k, v = (torch.cat(ts, dim=1) if len(ts) > 1 else ts[0] for ts in (queries, keys, values))
     if tables is not None:
         q, k = rotary(q, tables), rotary(k, tables)

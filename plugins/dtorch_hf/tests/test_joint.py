@@ -67,3 +67,21 @@ def test_steps_with_gradients_or_one_stream(session):
     with torch.no_grad(), current_session().recording() as rec:
         one = joint_heads([streams[0][0]], [streams[0][1]], [streams[0][2]])
     assert _op_names(rec) == ["aten.transpose.int"] * 3 and tuple(one[0].shape) == (B, H, 7, D)
+
+
+def test_one_stream_with_rope_rotates_in_one_op(session):
+    """Flux's single-stream blocks: q and k rotated and transposed in one op, v's transpose a
+    view (not an op output)."""
+    mesh = dt.init_device_mesh("cpu", (4,))
+    q, k, v = (torch.randn(B, 9, H, D) for _ in range(3))
+    tables = _tables(9)
+    want = [apply_rotary_emb(q, tables, sequence_dim=1).transpose(1, 2),
+            apply_rotary_emb(k, tables, sequence_dim=1).transpose(1, 2), v.transpose(1, 2)]
+    dist = [dt.distribute_tensor(t, mesh, [dt.Shard(2)]) for t in (q, k, v)]
+    dtables = tuple(dt.distribute_tensor(t, mesh, [R]) for t in tables)
+    with torch.no_grad(), current_session().recording() as rec:
+        got = joint_heads([dist[0]], [dist[1]], [dist[2]], dtables)
+    assert _op_names(rec) == ["dtorch_hf.joint_heads.default", "aten.transpose.int"]
+    for g, w in zip(got, want):
+        assert g.placements == (dt.Shard(1),)
+        torch.testing.assert_close(g.full_tensor(), w, rtol=0, atol=0)
