@@ -129,18 +129,26 @@ def six(request):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("mesh_shape", MESHES)
 def test_nested_all_to_all_equals_torch(six, mesh_shape, shape):
-    mesh = dt.init_device_mesh(DEVICE, mesh_shape, mesh_dim_names=("tp", "sp"))
+    for y, t in _redistributed_in_one(("tp", "sp"), mesh_shape, shape, _nested_pairs(len(shape)), "all_to_all"):
+        assert torch.equal(y.full_tensor(), t)
+
+
+def _redistributed_in_one(names, mesh_shape, shape, pairs, kind):
+    """For each (src, dst) of ``pairs``: a random tensor of ``shape`` distributed as src and
+    redistributed to dst in exactly one ``kind`` collective, each rank holding its region; yields
+    (the result, the tensor)."""
+    mesh = dt.init_device_mesh(DEVICE, mesh_shape, mesh_dim_names=names)
     torch.manual_seed(sum(mesh_shape) + sum(shape))
     t = torch.randn(shape)
-    for src, dst in _nested_pairs(len(shape)):
+    for src, dst in pairs:
         x = dt.distribute_tensor(t, mesh, list(src))
         with dt.debug.comm_mode() as comm:
             y = x.redistribute(mesh, list(dst))
-        assert comm.counts() == {"all_to_all": 1}, (src, dst, comm.counts())
+        assert comm.counts() == {kind: 1}, (src, dst, comm.counts())
         assert y.placements == dst
         for rank, local in y.local_shards().items():
             assert torch.equal(local, _region(t, dst, mesh_shape, root_coordinate(mesh, rank))), (src, dst, rank)
-        assert torch.equal(y.full_tensor(), t)
+        yield y, t
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
@@ -196,14 +204,5 @@ def test_nested_reduce_scatter_plan_gives_each_rank_its_region(mesh_shape):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("mesh_shape", MESHES)
 def test_nested_reduce_scatter_equals_torch(six, mesh_shape, shape):
-    mesh = dt.init_device_mesh(DEVICE, mesh_shape, mesh_dim_names=("sp", "tp"))
-    torch.manual_seed(sum(mesh_shape) + sum(shape))
-    t = torch.randn(shape)
-    for src, dst in _partial_pairs(len(shape)):
-        x = dt.distribute_tensor(t, mesh, list(src))
-        with dt.debug.comm_mode() as comm:
-            y = x.redistribute(mesh, list(dst))
-        assert comm.counts() == {"reduce_scatter": 1}, (src, dst, comm.counts())
-        assert y.placements == dst
-        for rank, local in y.local_shards().items():
-            assert torch.equal(local, _region(t, dst, mesh_shape, root_coordinate(mesh, rank))), (src, dst, rank)
+    results = list(_redistributed_in_one(("sp", "tp"), mesh_shape, shape, _partial_pairs(len(shape)), "reduce_scatter"))
+    assert len(results) == len(shape)

@@ -93,6 +93,35 @@ def _replicated(*tensors):
     return [dt.distribute_tensor(t, mesh, [R]) for t in tensors]
 
 
+def _both(make, processor, forward=None):
+    """A block made by ``make`` and its copy with dtorch_hf's forwards on DTensors (``forward``:
+    the family's forward for it): (diffusers' outputs, dtorch's, the op names dtorch recorded,
+    the distributed block, its inputs)."""
+    torch.manual_seed(0)
+    plain, block = make().eval(), make().eval()
+    block.load_state_dict(plain.state_dict())
+    block = _distributed(block, processor)
+    if forward is not None:
+        block.forward = forward(block)
+    inputs = torch.randn(2, 6, 32), torch.randn(2, 5, 32), torch.randn(2, 32)
+    with torch.no_grad():
+        want = plain(*inputs)
+        with current_session().recording() as rec:
+            got = block(*_replicated(*inputs))
+    return want, got, _op_names(rec), block, inputs
+
+
+def _assert_equal(got, want, runner) -> None:
+    # bit-equal on thread workers; process workers run with their own intra-op threads, whose
+    # reductions (matmul, attention) round differently by up to ~2e-7, with or without these forwards
+    exact = 0 if runner == "thread" else 1e-6
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g.full_tensor(), w, rtol=exact, atol=exact)
+
+
 BLOCKS = {
     "sd3": lambda: JointTransformerBlock(32, 4, 8, context_pre_only=False, qk_norm="rms_norm"),
     "sd3 last": lambda: JointTransformerBlock(32, 4, 8, context_pre_only=True),
@@ -103,20 +132,11 @@ BLOCKS = {
 
 @pytest.mark.parametrize("kind", sorted(BLOCKS))
 def test_double_stream_block_matches_diffusers_with_one_op_gates(session, kind):
-    torch.manual_seed(0)
-    plain = BLOCKS[kind]().eval()
-    block = BLOCKS[kind]().eval()
-    block.load_state_dict(plain.state_dict())
     flux = kind == "flux"
-    block = _distributed(block, flux_family.DtorchFluxAttnProcessor() if flux else sd3_family.DtorchSD3AttnProcessor())
-    x, context, temb = torch.randn(2, 6, 32), torch.randn(2, 5, 32), torch.randn(2, 32)
-    with torch.no_grad():
-        want = plain(x, context, temb)
-        with current_session().recording() as rec:
-            got = block(*_replicated(x, context, temb))
-    names = _op_names(rec)
-    streams = 1 if plain.norm2_context is None and not flux else 2
-    branches = streams + (1 if getattr(plain, "use_dual_attention", False) else 0)
+    processor = flux_family.DtorchFluxAttnProcessor() if flux else sd3_family.DtorchSD3AttnProcessor()
+    want, got, names, block, inputs = _both(BLOCKS[kind], processor)
+    streams = 1 if block.norm2_context is None and not flux else 2
+    branches = streams + (1 if getattr(block, "use_dual_attention", False) else 0)
     assert names.count("dtorch_hf.gated_add.default") == streams + branches
     # both first norms (the last SD3 block's context norm is AdaLayerNormContinuous; SD3.5's
     # image norm modulates twice), each stream's second norm
@@ -124,38 +144,19 @@ def test_double_stream_block_matches_diffusers_with_one_op_gates(session, kind):
     if not flux:  # Flux's q/k norms are torch's RMSNorm, decomposed on the CPU
         assert not [n for n in names if n in GATE_OPS], names
     assert "aten.unsqueeze.default" not in names
-    # bit-equal on thread workers; process workers run with their own intra-op threads, whose
-    # reductions (matmul, attention) round differently by up to ~2e-7, with or without these forwards
-    exact = 0 if session == "thread" else 1e-6
-    for g, w in zip(got, want):
-        if w is None:
-            assert g is None
-        else:
-            torch.testing.assert_close(g.full_tensor(), w, rtol=exact, atol=exact)
+    _assert_equal(got, want, session)
     # training: diffusers' own forward, differentiable
-    got = block(*(t.requires_grad_() for t in _replicated(x, context, temb)))
+    got = block(*(t.requires_grad_() for t in _replicated(*inputs)))
     assert got[1].requires_grad
     got[1].sum().backward()
     assert block.ff.net[2].weight.grad is not None
 
 
 def test_single_stream_block_matches_diffusers_with_one_op_gate(session):
-    torch.manual_seed(0)
-    plain = FluxSingleTransformerBlock(32, 4, 8).eval()
-    block = FluxSingleTransformerBlock(32, 4, 8).eval()
-    block.load_state_dict(plain.state_dict())
-    block = _distributed(block, flux_family.DtorchFluxAttnProcessor())
-    block.forward = flux_family._single_block(block)
-    x, context, temb = torch.randn(2, 6, 32), torch.randn(2, 5, 32), torch.randn(2, 32)
-    with torch.no_grad():
-        want = plain(x, context, temb)
-        with current_session().recording() as rec:
-            got = block(*_replicated(x, context, temb))
-    names = _op_names(rec)
+    want, got, names, _, _ = _both(lambda: FluxSingleTransformerBlock(32, 4, 8), flux_family.DtorchFluxAttnProcessor(),
+                                   flux_family._single_block)
     assert names.count("dtorch_hf.gated_add.default") == 1 and "aten.unsqueeze.default" not in names
-    exact = 0 if session == "thread" else 1e-6  # as above
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g.full_tensor(), w, rtol=exact, atol=exact)
+    _assert_equal(got, want, session)
 
 
 SD3_CONFIG = dict(sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8,
