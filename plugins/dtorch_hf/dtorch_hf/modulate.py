@@ -91,7 +91,27 @@ def modulated_stream(x, branches, norm, shift, scale, gate, ff):
     return gated_add_op(x, gate, ff(norm_modulate_op(x, shift, scale, float(norm.eps))))
 
 
-def modulated_forward(module, chunks: int):
+class SharedSilu:
+    """``silu(emb)`` once per model call. Every adaLN module of SD3 and Flux (two a double block,
+    one a single block, ``norm_out``) applies its own stateless SiLU to the same ``temb``: the
+    first computes it, the others reuse that tensor (the same values). Forgotten when the model's
+    next call starts (:meth:`reset`, a forward pre-hook), so nothing outlives the call."""
+
+    def __init__(self):
+        self.emb = self.out = None
+
+    def reset(self, *_) -> None:
+        self.emb = self.out = None
+
+    def __call__(self, silu, emb):
+        if type(silu) is not nn.SiLU:
+            return silu(emb)
+        if emb is not self.emb:
+            self.emb, self.out = emb, silu(emb)
+        return self.out
+
+
+def modulated_forward(module, chunks: int, shared: SharedSilu):
     """A forward for an ``AdaLayerNormZero`` (``chunks`` 6) or ``AdaLayerNormZeroSingle`` (3):
     diffusers' steps, with the modulated norm as one op where it applies."""
     original = module.forward
@@ -104,13 +124,13 @@ def modulated_forward(module, chunks: int):
         if not plain_norm(norm) or not one_op_applies(x) or emb is None \
                 or any(a is not None for a in others) or getattr(module, "emb", None) is not None:
             return original(x, *args, **kwargs)  # a timestep/label embedding of its own, training...
-        shift, scale, *rest = module.linear(module.silu(emb)).chunk(chunks, dim=1)
+        shift, scale, *rest = module.linear(shared(module.silu, emb)).chunk(chunks, dim=1)
         return (norm_modulate_op(x, shift, scale, float(norm.eps)), *rest)
 
     return forward
 
 
-def continuous_forward(module):
+def continuous_forward(module, shared: SharedSilu):
     """A forward for an ``AdaLayerNormContinuous`` (SD3's last context norm, both models'
     ``norm_out``): diffusers' steps, with ``norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]``
     (the same values as the kernel's expression) as one op where it applies."""
@@ -119,13 +139,13 @@ def continuous_forward(module):
     def forward(x, conditioning_embedding):
         if not plain_norm(module.norm) or not one_op_applies(x):
             return original(x, conditioning_embedding)
-        scale, shift = module.linear(module.silu(conditioning_embedding).to(x.dtype)).chunk(2, dim=1)
+        scale, shift = module.linear(shared(module.silu, conditioning_embedding).to(x.dtype)).chunk(2, dim=1)
         return norm_modulate_op(x, shift, scale, float(module.norm.eps))
 
     return forward
 
 
-def dual_forward(module):
+def dual_forward(module, shared: SharedSilu):
     """A forward for SD3.5's ``SD35AdaLayerNormZeroX`` (a block with a second attention): its
     two modulated norms of one norm as one op each where they apply."""
     original = module.forward
@@ -134,7 +154,7 @@ def dual_forward(module):
         if not plain_norm(module.norm) or not one_op_applies(hidden_states) or emb is None:
             return original(hidden_states, emb)
         shift, scale, gate, shift_mlp, scale_mlp, gate_mlp, shift2, scale2, gate2 = \
-            module.linear(module.silu(emb)).chunk(9, dim=1)
+            module.linear(shared(module.silu, emb)).chunk(9, dim=1)
         eps = float(module.norm.eps)
         return (norm_modulate_op(hidden_states, shift, scale, eps), gate, shift_mlp, scale_mlp, gate_mlp,
                 norm_modulate_op(hidden_states, shift2, scale2, eps), gate2)
@@ -144,19 +164,22 @@ def dual_forward(module):
 
 def one_op_modulation(model) -> None:
     """Give every ``AdaLayerNormZero``, ``AdaLayerNormZeroSingle``, ``AdaLayerNormContinuous``
-    and ``SD35AdaLayerNormZeroX`` of ``model`` the one-op forward."""
+    and ``SD35AdaLayerNormZeroX`` of ``model`` the one-op forward, sharing one SiLU of the
+    conditioning embedding per call of ``model``."""
     from diffusers.models.normalization import (
         AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle, SD35AdaLayerNormZeroX)
 
+    shared = SharedSilu()
+    model.register_forward_pre_hook(shared.reset)
     for module in model.modules():
         if type(module) is AdaLayerNormZero:
-            module.forward = modulated_forward(module, 6)
+            module.forward = modulated_forward(module, 6, shared)
         elif type(module) is AdaLayerNormZeroSingle:
-            module.forward = modulated_forward(module, 3)
+            module.forward = modulated_forward(module, 3, shared)
         elif type(module) is AdaLayerNormContinuous:
-            module.forward = continuous_forward(module)
+            module.forward = continuous_forward(module, shared)
         elif type(module) is SD35AdaLayerNormZeroX:
-            module.forward = dual_forward(module)
+            module.forward = dual_forward(module, shared)
 
 
 def register(registry) -> None:

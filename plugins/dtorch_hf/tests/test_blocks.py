@@ -207,4 +207,6 @@ def test_models_on_a_mesh_run_the_one_op_blocks(session, family, mesh_name):
     expected = 4 + 1 + 2 if family == "sd3" else 4 + (2 if "sp" in mesh_name else 1)
     assert names.count("dtorch_hf.gated_add.default") == expected
     assert "aten.unsqueeze.default" not in names, names
+    # the timestep and text embeddings' SiLUs, and one of temb shared by every adaLN module
+    assert names.count("aten.silu.default") == 3
     assert rel_err(got, want) <= 1e-4
