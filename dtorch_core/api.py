@@ -11,6 +11,7 @@ import structlog
 import torch
 
 from . import explain as _explain
+from .controller import heap
 from .controller import session as _session_mod
 from .controller.session import Session, current_session
 from .controller.settings import setting
@@ -76,6 +77,8 @@ def init(world_size: int | None = None, *, runner: str | None = None, device_typ
     _gathers.set_refuse(session, strict)
     _session_mod.set_session(session)
     _explain.attach_new_session(session)  # a running dt.explain (dtorch run --explain) sees it
+    if setting("gc_freeze", None, "DTORCH_GC_FREEZE", True, "flag"):
+        heap.freeze_on_start()
     log.debug("session started", runner=runner, world_size=world_size)
     return session
 
@@ -87,6 +90,7 @@ def shutdown() -> None:
         return
     _session_mod.set_session(None)
     session.close()
+    heap.unfreeze_on_end()
 
 
 def is_initialized() -> bool:
