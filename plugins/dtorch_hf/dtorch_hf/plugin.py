@@ -1,13 +1,13 @@
 """The hook implementations of dtorch_hf (its entry point ``hf``): the families it serves, the
 worker kernel that ``from_pretrained`` reads weights with, Flux's one-op rotary embedding and
 rotary tables, and the one-op timestep embedding, adaLN-Zero modulation (modulated norm, gated
-residual), RMSNorm and joint-attention layout of Flux and SD3."""
+residual), RMSNorm and joint-attention layout of Flux and SD3, and T5's relative position bias."""
 
 from __future__ import annotations
 
 from dtorch_core import hookimpl
 
-from . import joint, modulate, pos_embed, rms_norm, rotary, timesteps
+from . import joint, modulate, pos_embed, position_bias, rms_norm, rotary, timesteps
 from .families.clip import CLIP_TEXT_FAMILY
 from .families.flux import FLUX_FAMILY
 from .families.sd3 import SD3_FAMILY
@@ -33,6 +33,7 @@ def dtorch_register_ops(registry) -> None:
     modulate.register(registry)
     rms_norm.register(registry)
     joint.register(registry)
+    position_bias.register(registry)
 
 
 @hookimpl
@@ -44,3 +45,4 @@ def dtorch_register_kernels(registry) -> None:
     modulate.register_kernels(registry)
     rms_norm.register_kernels(registry)
     joint.register_kernels(registry)
+    position_bias.register_kernels(registry)

@@ -7,6 +7,8 @@ heads, so each tp shard computes its own heads' bias and adds it to its own head
 T5Attention's code runs unchanged: it reads n_heads/inner_dim from the config and reshapes
 with ``(-1, d_kv)``, and DTensor shapes stay global, so those sizes stay right on shards;
 head counts and d_ff that the tp size does not divide give uneven shards, handled exactly.
+Where no gradient is needed the bias is one op made on the workers from the sizes
+(dtorch_hf/position_bias.py), so no plain position tensor leaves the controller.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn as nn
 import dtorch_core as dt
 
 from ..family import ModelFamily
+from ..position_bias import one_op_position_biases
 
 SP_CFG_REASON = "T5 is served over 'tp' and 'dp' so far; sequence and CFG parallel are not supported for T5 yet"
 
@@ -25,7 +28,9 @@ def _stacks(model: nn.Module) -> list[str]:
 
 
 def t5_tp_plan(model: nn.Module) -> dict:
-    """The tp plan of a T5 model: glob patterns over its encoder and decoder stacks."""
+    """The tp plan of a T5 model: glob patterns over its encoder and decoder stacks. (It also
+    installs the one-op relative position bias: the family's only call at parallelize time.)"""
+    one_op_position_biases(model)
     colwise, rowwise = dt.nn.ColwiseParallel, dt.nn.RowwiseParallel
     gated = getattr(model.config, "is_gated_act", False)
     plan = {}
