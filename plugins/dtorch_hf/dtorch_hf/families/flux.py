@@ -38,8 +38,8 @@ from dtorch_core.placement import Shard
 
 from ..batch import lay_out
 from ..family import ModelFamily
-from ..joint import joint_heads, stream_outputs
 from ..blocks import one_op_blocks
+from ..joint import joint_heads, stream_outputs
 from ..modulate import gated_residual, one_op_applies, one_op_modulation
 from ..pos_embed import distributed_pos_embed
 from ..rms_norm import one_op_rms_norms
@@ -181,14 +181,15 @@ def _single_block(block):
 
     def forward(hidden_states, encoder_hidden_states, temb, image_rotary_emb=None, joint_attention_kwargs=None):
         kwargs = joint_attention_kwargs or {}
-        if _sp_dims(hidden_states) and not set(kwargs) - {"attention_mask"}:
+        sp = bool(_sp_dims(hidden_states))
+        if sp and not set(kwargs) - {"attention_mask"}:
             streams = (encoder_hidden_states, hidden_states)
             normed = [block.norm(x, emb=temb) for x in streams]
             attended = block.attn(hidden_states=normed[1][0], image_rotary_emb=image_rotary_emb,
                                   text_stream=normed[0][0], attention_mask=kwargs.get("attention_mask"))
             text, image = (_single_stream(block, x, n, gate, a) for x, (n, gate), a in zip(streams, normed, attended))
             return text, image
-        if _sp_dims(hidden_states) or not one_op_applies(hidden_states):
+        if sp or not one_op_applies(hidden_states):
             return original(hidden_states, encoder_hidden_states, temb, image_rotary_emb, joint_attention_kwargs)
         text_len = encoder_hidden_states.shape[1]
         joint = torch.cat([encoder_hidden_states, hidden_states], dim=1)

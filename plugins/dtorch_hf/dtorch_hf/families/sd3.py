@@ -34,8 +34,8 @@ from dtorch_core.placement import Replicate, Shard
 
 from ..batch import lay_out
 from ..family import ModelFamily
-from ..joint import joint_heads, stream_outputs
 from ..blocks import one_op_blocks
+from ..joint import joint_heads, stream_outputs
 from ..modulate import one_op_modulation
 from ..rms_norm import one_op_rms_norms
 from ..ring import ring_attention, ring_mesh_dim
