@@ -108,6 +108,9 @@ def medians(summary: dict) -> dict:
     row = {k: statistics.median(s[k] for s in steps) for k in keys}
     row["idle_by_cause_us"] = {c: statistics.median(s["idle_by_cause_us"][c] for s in steps)
                                for c in steps[0]["idle_by_cause_us"]}
+    split = [s["start_split"] for s in steps if "start_split" in s]
+    row["start_split_us"] = {k: statistics.median(v[k] for v in split) for k in (split[0] if split else ())
+                             if all(v[k] is not None for v in split)}
     return row
 
 
@@ -118,6 +121,9 @@ def print_rows(family, size, rows: dict, summaries: dict, top: int, controller: 
               f"{r['busy_us'] / 1000:7.2f} ms, {r['kernels']:.0f} kernels | idle: before "
               f"{r['before_first_kernel_us'] / 1000:.2f}, between {r['idle_between_kernels_us'] / 1000:.2f} "
               f"({causes}), after {r['after_last_kernel_us'] / 1000:.2f} ms")
+        if r.get("start_split_us"):
+            print("              before the first kernel (us): " +
+                  ", ".join(f"{k[:-3].replace('_', ' ')} {v:.0f}" for k, v in r["start_split_us"].items()))
     for name, summary in summaries.items():
         gaps = summary["steps"][len(summary["steps"]) // 2]["top_gaps"][:top]
         for g in gaps:

@@ -96,7 +96,19 @@ def summarise(prof, *, min_gap_us: float = 2.0, top: int = 12) -> dict:
             busy += stop - max(start, last_end) if stop > last_end else 0.0
             last_end = max(last_end, stop)
         gaps.sort(reverse=True)
+        # where the time before the first kernel goes: until the worker's first batch frame
+        # began (the controller: its wake, its code to the first op, the first flush), that
+        # frame's own time to the first launch (decode, frees, ops without kernels), the launch
+        i = bisect.bisect_left(frame_starts, begin)
+        first_frame = frames[i][0] if i < len(frames) and frames[i][0] < ks[0][0] else None
+        first_launch = launches.get(ks[0][3]) if ks[0][3] is not None else None
+        start_split = {
+            "to_first_frame_us": (first_frame - begin) if first_frame is not None else None,
+            "frame_to_launch_us": (first_launch[0] - first_frame) if first_frame is not None and first_launch else None,
+            "launch_to_kernel_us": (ks[0][0] - first_launch[0]) if first_launch else None,
+        }
         steps.append({
+            "start_split": start_split,
             "wall_us": end - begin,
             "before_first_kernel_us": ks[0][0] - begin,
             "after_last_kernel_us": end - last_end,
