@@ -11,3 +11,4 @@ cd /tmp
 echo "=== model_steps large"; timeout -k 5 200 python3 $B/model_steps.py --runner process --issue-times --sizes large --steps 8 --warmup 3 --json $OUT/steps_large.json 2>&1 | grep -v -E "USDT|warn|^    "
 echo "=== gpu_idle dit"; timeout -k 5 120 python3 $B/gpu_idle.py --families dit --size large --steps 3 --warmup 3 --json $OUT/idle_dit.json 2>&1 | grep -v -E "USDT|warn" | head -60
 echo "=== hf_models cut --check"; timeout -k 5 150 python3 $HF --runner process --models flux,sd3 --sizes cut --check --json $OUT/hf_cut.json 2>&1 | grep -v -E "USDT|warn" | grep -E "^(flux|sd3)|checks|issued"
+echo "=== sync_latency dit large"; timeout -k 5 70 python3 $B/sync_latency.py --device cuda --rounds 100 --step dit --size large 2>&1 | grep -v -E "USDT|warn"
