@@ -1,8 +1,9 @@
 """DistExchange (comm/dist.py) between real processes: both payload paths against combine_one.
 
 Four gloo processes on 127.0.0.1 run every communicating kind over uneven shapes, through the
-all-gather path (CPU's, bit-identical to the in-process runners) and through the native path
-(the one NCCL takes on GPUs; gloo can run it too). A failed contribution must not hang its
+all-gather path (CPU's, bit-identical to the in-process runners), CPU's path for large payloads
+(flags first, then the payload alone; all-reduce in chunks; bit-identical too: ``split_bytes=0``
+sends every case there) and the native path (the one NCCL takes on GPUs; gloo can run it too). A failed contribution must not hang its
 peers and must leave the failed rank poisoned.
 """
 
@@ -43,6 +44,9 @@ CASES = [
     (MESH_1D, "all_to_all", (Shard(2),), 2, 0, "sum", (4, 3, 8)),  # even, dim after dim2
     (MESH_2D, "all_gather", (Shard(0), Shard(0)), 0, 0, "sum", (9, 2)),  # nested uneven shards
     (MESH_2D, "reduce_scatter", (Replicate(), Partial()), 1, 0, "sum", (2, 5)),
+    (MESH_2D, "all_reduce", (Replicate(), Partial()), 0, 0, "sum", (3, 5)),  # two members
+    (MESH_2D, "all_reduce", (Replicate(), Partial("avg")), 0, 0, "avg", (7,)),
+    (MESH_2D, "all_reduce", (Replicate(), Partial("max")), 0, 0, "max", (2, 3)),
     (MESH_2D, "all_to_all", (Shard(1), Shard(0)), 0, 1, "sum", (5, 7)),
 ]
 
@@ -52,8 +56,16 @@ def _contribution(seed: int, shape, dtype=torch.float32) -> torch.Tensor:
     return torch.randn(shape, generator=g).to(dtype)
 
 
-def _run_cases(rank: int, native: bool) -> None:
-    ex = DistExchange(rank, torch.device("cpu"), native=native)
+def _exchange(rank: int, mode: str) -> DistExchange:
+    ex = DistExchange(rank, torch.device("cpu"), native=mode == "native")
+    if mode == "large":
+        ex.split_bytes = 0
+    return ex
+
+
+def _run_cases(rank: int, mode: str) -> None:
+    native = mode == "native"
+    ex = _exchange(rank, mode)
     ranks = tuple(range(WORLD))
     for mesh_id, shape in (MESH_1D, MESH_2D):
         ex.define_mesh(mesh_id, shape, ranks)
@@ -101,14 +113,14 @@ def _run_cases(rank: int, native: bool) -> None:
     assert torch.equal(ok, torch.ones(8, 2))
 
 
-def _run_merged(rank: int, native: bool) -> None:
+def _run_merged(rank: int, mode: str) -> None:
     """A MergedAllReduce of float32 and float64 gradients where one rank's float64 source failed:
     every rank makes one exchange per dtype (the failed one too, from the instruction's dtypes),
     so nobody waits forever; the float32 sums are whole everywhere, the failed rank gets its
     failure for the float64 one, its peers a failure too (all-gather path) or a sum with zeros in
     its place (native path, where the failed rank is poisoned instead)."""
-    worker = Worker(rank, torch.device("cpu"), kernels=None, exchange=DistExchange(rank, torch.device("cpu"), native=native),
-                    reply=lambda r: None)
+    native = mode == "native"
+    worker = Worker(rank, torch.device("cpu"), kernels=None, exchange=_exchange(rank, mode), reply=lambda r: None)
     worker.execute(DefineMesh(7, (WORLD,), tuple(range(WORLD))))
     shapes_of = [(3, 2), (5,), (4,)]
     dtypes = (torch.float32, torch.float64, torch.float32)
@@ -132,13 +144,13 @@ def _run_merged(rank: int, native: bool) -> None:
         torch.testing.assert_close(got, expected, msg=f"source {i}")
 
 
-def _entry(rank: int, store_file: str, native: bool, errors) -> None:
+def _entry(rank: int, store_file: str, mode: str, errors) -> None:
     try:
         # a file store, as the process runner uses: no port to race for
         dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=WORLD)
         try:
-            _run_cases(rank, native)
-            _run_merged(rank, native)
+            _run_cases(rank, mode)
+            _run_merged(rank, mode)
         finally:
             dist.destroy_process_group()
     except BaseException:
@@ -146,9 +158,9 @@ def _entry(rank: int, store_file: str, native: bool, errors) -> None:
         raise
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["gathered", "native"])
-def test_every_kind_over_uneven_shards_between_processes(native, tmp_path):
-    run_ranks(_entry, lambda r: (r, str(tmp_path / "store"), native), WORLD)
+@pytest.mark.parametrize("mode", ["gathered", "large", "native"])
+def test_every_kind_over_uneven_shards_between_processes(mode, tmp_path):
+    run_ranks(_entry, lambda r: (r, str(tmp_path / "store"), mode), WORLD)
 
 
 class _Poisoned:

@@ -47,6 +47,9 @@ _NATIVE_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.b
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# CPU: from this many bytes of the largest contribution, payloads move without flag slots (the
+# flags go first, one byte each) and an all-reduce is a reduce-scatter then an all-gather
+SPLIT_BYTES = 1 << 18
 
 
 @attrs.define
@@ -61,6 +64,7 @@ class DistExchange:
     # whether collectives run as the backend's own (devices) or as all-gathers (CPU);
     # DTORCH_NATIVE_COLLECTIVES=1 takes the native path on CPU too (gloo), to test it without GPUs
     native: bool = attrs.field()
+    split_bytes: int = SPLIT_BYTES  # the all-gather path's size limit (see :func:`_large`)
 
     @native.default
     def _native_default(self) -> bool:
@@ -92,6 +96,9 @@ class DistExchange:
         elif self.native and ins.dtype in _NATIVE_DTYPES:
             result = _NATIVE[ins.kind](ins, group, index, shapes, value, owned)
             peers_failed = None  # no flags travel with a native collective
+        elif ins.kind in _LARGE and ins.dtype in _NATIVE_DTYPES and \
+                max(map(math.prod, shapes)) * value.element_size() >= self.split_bytes:
+            result, peers_failed = _LARGE[ins.kind](ins, group, index, shapes, value, failure is not None, owned)
         elif ins.kind in _BY_PIECES:
             result, peers_failed = _BY_PIECES[ins.kind](ins, group, index, shapes, value, failure is not None)
         else:
@@ -179,6 +186,54 @@ def _pieces_reduce_scatter(ins, group, index, shapes, value, failed: bool) -> tu
 
 
 _BY_PIECES = {"all_to_all": _pieces_all_to_all, "reduce_scatter": _pieces_reduce_scatter}
+
+
+# ---------------------------------------------------------------------------------------------
+# large payloads on CPU: the all-gather path receives every member's whole contribution and
+# copies each payload twice (into its padded slot, out of it). From ``split_bytes`` the flags go
+# first and the payload moves as the native path moves it (pure data movement: the same bits);
+# an all-reduce is a reduce-scatter by pieces, in group order, then an all-gather of the reduced
+# chunks (about 2 (k-1)/k of the tensor in and out per member, not k times it; the same bits),
+# or between two members a floating-point sum the backend's own way (commutative: the same bits)
+# ---------------------------------------------------------------------------------------------
+def _peers_failed(group, k: int, failed: bool) -> bool:
+    """Whether any member's contribution failed: one byte from each, before any payload moves
+    (so a failure stops every member before the payload's collective, not after it)."""
+    flags = torch.empty(k, dtype=torch.uint8)
+    _all_gather_single(flags, torch.tensor([int(failed)], dtype=torch.uint8), group=group)
+    return bool(flags.any())
+
+
+def _moved_after_flags(ins, group, index, shapes, value, failed: bool, owned) -> tuple:
+    if _peers_failed(group, len(shapes), failed):
+        return None, True
+    return _NATIVE[ins.kind](ins, group, index, shapes, value, owned), False
+
+
+def _reduced_in_chunks(ins, group, index, shapes, value, failed: bool, owned) -> tuple:
+    k = len(shapes)
+    if _peers_failed(group, k, failed):
+        return None, True
+    if k == 2 and ins.reduce_op in ("sum", "avg") and value.dtype in (torch.float32, torch.float64):
+        # two members: every algorithm adds each pair once, and a + b == b + a bit for bit
+        return _native_all_reduce(ins, group, index, shapes, value, owned), False
+    flat = value.reshape(-1)  # member j's piece is chunk j of it: consecutive slices, sent as they lie
+    n = flat.numel()
+    lengths = [chunk_extent(n, k, j).length for j in range(k)]
+    width, mine = lengths[0], lengths[index]  # torch.chunk's: the first chunk is the largest
+    recv = value.new_empty(k * width)
+    dist.all_to_all_single(recv.narrow(0, 0, k * mine), flat, [mine] * k, lengths, group=group)
+    reduced = reduce_all(list(recv.narrow(0, 0, k * mine).view(k, mine)), ins.reduce_op)  # group order
+    if mine < width:
+        reduced = torch.cat([reduced, reduced.new_zeros(width - mine)])
+    # the whole into the source's own memory where it dies with the step, else into the receive
+    # buffer (``reduced`` is a tensor of its own, so no member's input aliases its output)
+    whole = flat if owned and value.is_contiguous() and width * k == n else recv
+    _all_gather_single(whole.view(torch.uint8), reduced.view(torch.uint8), group=group)
+    return whole.narrow(0, 0, n).view(value.shape), False
+
+
+_LARGE = {"all_gather": _moved_after_flags, "all_to_all": _moved_after_flags, "all_reduce": _reduced_in_chunks}
 
 
 def _shift(members, group, index, shapes, offset, value, failed: bool) -> tuple:
