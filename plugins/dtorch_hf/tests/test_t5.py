@@ -128,3 +128,20 @@ def test_compiled_training_steps_replay(session, saved):
     for name, p in model.named_parameters():
         assert rel_err(p.detach(), want[name].detach()) <= 1e-4, name
     _check_fallbacks()
+
+
+def test_tp_attention_runs_on_head_shards_without_gathers(session, saved):
+    """With transformers' SDPA attention (its default) and heads that divide tp, a forward of a
+    batch of 3 sends nothing but the rowwise all-reduces (o, wo): q, k, v and the scores stay on
+    head shards. Eager attention's 4-D matmuls gather, and so does SDPA's math path, which the CPU
+    takes where the position bias needs a gradient (training; README)."""
+    ref, model = _pair(T5EncoderModel, saved["even", 1.0])
+    assert model.config._attn_implementation == "sdpa"
+    dtorch_hf.parallelize(model, make_mesh("tp4"))
+    ids, mask = _inputs()
+    with torch.no_grad(), dt.debug.comm_mode() as comm:
+        got = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert {event.kind for event, _ in comm.events} == {"all_reduce"}, sorted({(e.kind, e.op) for e, _ in comm.events})
+    assert len(comm.events) == 2 * model.config.num_layers  # o and wo in every block
+    assert rel_err(got, ref(input_ids=ids, attention_mask=mask).last_hidden_state) <= 1e-4
+    _check_fallbacks()
