@@ -101,7 +101,8 @@ def summarise(prof, *, min_gap_us: float = 2.0, top: int = 12) -> dict:
         # frame's own time to the first launch (decode, frees, ops without kernels), the launch
         i = bisect.bisect_left(frame_starts, begin)
         first_frame = frames[i][0] if i < len(frames) and frames[i][0] < ks[0][0] else None
-        first_launch = launches.get(ks[0][3]) if ks[0][3] is not None else None
+        # on a CPU device the first aten op stands in for the first launch
+        first_launch = launches.get(ks[0][3]) if ks[0][3] is not None else (ks[0][0], ks[0][1])
         start_split = {
             "to_first_frame_us": (first_frame - begin) if first_frame is not None else None,
             "frame_to_launch_us": (first_launch[0] - first_frame) if first_frame is not None and first_launch else None,
