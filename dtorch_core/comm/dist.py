@@ -8,6 +8,7 @@ controller knows them all, so its instructions carry every rank's local shape an
   the largest) followed by the ``combine_all`` arithmetic of the in-process runners, so every
   runner computes the same bits; an all-to-all or reduce-scatter is one ``all_to_all_single``
   that sends each member only the pieces its result needs, then the same arithmetic on them;
+  from ``SPLIT_BYTES`` a member, the flags go first and the payload moves alone (``_LARGE``);
 - a ``shift`` (each member receives one peer's tensor) is one point-to-point send and receive
   per member (``batch_isend_irecv``) on every device type: no member receives more than its
   own result;
@@ -64,7 +65,7 @@ class DistExchange:
     # whether collectives run as the backend's own (devices) or as all-gathers (CPU);
     # DTORCH_NATIVE_COLLECTIVES=1 takes the native path on CPU too (gloo), to test it without GPUs
     native: bool = attrs.field()
-    split_bytes: int = SPLIT_BYTES  # the all-gather path's size limit (see :func:`_large`)
+    split_bytes: int = SPLIT_BYTES  # from this size, the paths of ``_LARGE`` (below)
 
     @native.default
     def _native_default(self) -> bool:
