@@ -23,6 +23,7 @@ import json
 import os
 
 FRAME = "dtorch.frame"  # a batch frame in a worker: decode and run
+DECODE = "dtorch.decode"  # a frame's decoding, inside it
 SYNC = "dtorch.sync"  # one step's end (Stats in a worker, the bench's sync on the torch side)
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
             "cudaMemcpyAsync", "cudaMemsetAsync")
@@ -43,7 +44,7 @@ def cpu_events(prof) -> list:
 def summarise(prof, *, min_gap_us: float = 2.0, top: int = 12) -> dict:
     """Per step of the profiled window: GPU busy and idle time, idle split by cause, top gaps."""
     events = list(prof.profiler.kineto_results.events())
-    kernels, launches, frames, syncs, ops = [], {}, [], [], []
+    kernels, launches, frames, syncs, ops, decodes = [], {}, [], [], [], []
     for e in events:
         name = e.name()
         start, end = e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3
@@ -55,6 +56,8 @@ def summarise(prof, *, min_gap_us: float = 2.0, top: int = 12) -> dict:
             launches[e.correlation_id()] = (start, end)
         elif name == FRAME:
             frames.append((start, end))
+        elif name == DECODE:
+            decodes.append((start, end))
         elif name == SYNC:
             syncs.append((start, end))
         elif name.startswith("aten::"):
@@ -103,8 +106,11 @@ def summarise(prof, *, min_gap_us: float = 2.0, top: int = 12) -> dict:
         first_frame = frames[i][0] if i < len(frames) and frames[i][0] < ks[0][0] else None
         # on a CPU device the first aten op stands in for the first launch
         first_launch = launches.get(ks[0][3]) if ks[0][3] is not None else (ks[0][0], ks[0][1])
+        j = bisect.bisect_left(decodes, (first_frame,)) if first_frame is not None else len(decodes)
+        decoded = decodes[j][1] if j < len(decodes) and decodes[j][1] <= ks[0][0] else None
         start_split = {
             "to_first_frame_us": (first_frame - begin) if first_frame is not None else None,
+            "frame_decode_us": (decoded - first_frame) if decoded is not None else None,
             "frame_to_launch_us": (first_launch[0] - first_frame) if first_frame is not None and first_launch else None,
             "launch_to_kernel_us": (ks[0][0] - first_launch[0]) if first_launch else None,
         }
@@ -136,8 +142,16 @@ def install() -> None:
 
     out = os.environ["DTORCH_GPU_IDLE_OUT"]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    from dtorch_core.ir import wire
+
     state = {"window": 0, "prof": None}
-    run_frame, execute = worker_main.run_frame, Worker.execute
+    run_frame, execute, decode = worker_main.run_frame, Worker.execute, wire.decode
+
+    def traced_decode(data):
+        if state["prof"] is None:
+            return decode(data)
+        with record_function(DECODE):
+            return decode(data)
 
     def traced_frame(*args, **kwargs):
         if state["prof"] is None:
@@ -169,4 +183,5 @@ def install() -> None:
         return result
 
     worker_main.run_frame = traced_frame
+    wire.decode = traced_decode  # run_frame looks it up on the module at each frame
     Worker.execute = traced_execute
