@@ -41,6 +41,11 @@ def cpu_events(prof) -> list:
     return out
 
 
+def _median(values):
+    values = sorted(values)
+    return values[len(values) // 2] if values else None
+
+
 def summarise(prof, *, min_gap_us: float = 2.0, top: int = 12) -> dict:
     """Per step of the profiled window: GPU busy and idle time, idle split by cause, top gaps."""
     events = list(prof.profiler.kineto_results.events())
@@ -111,6 +116,8 @@ def summarise(prof, *, min_gap_us: float = 2.0, top: int = 12) -> dict:
         start_split = {
             "to_first_frame_us": (first_frame - begin) if first_frame is not None else None,
             "frame_decode_us": (decoded - first_frame) if decoded is not None else None,
+            # against which: the median decoding of the step's frames
+            "median_decode_us": _median([b - a for a, b in decodes if begin <= a < end]),
             "frame_to_launch_us": (first_launch[0] - first_frame) if first_frame is not None and first_launch else None,
             "launch_to_kernel_us": (ks[0][0] - first_launch[0]) if first_launch else None,
         }
