@@ -37,6 +37,7 @@ from dtorch_zmq.agent_service import (
 )
 from dtorch_zmq.keys import read_key
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from netns import alive
 
 # prints its arguments (to its log), then sleeps; rank 99 fails at once with exit code 3
 STAND_IN_SCRIPT = (
@@ -86,15 +87,6 @@ def _read_line(stream, timeout_s: float) -> str:
     return out[0] if out else ""
 
 
-def _alive(pid: int) -> bool:
-    """True while ``pid`` is a running (not zombie) process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _wait_until(condition, timeout_s: float) -> float:
     start = time.monotonic()
     while not condition():
@@ -108,7 +100,7 @@ def spawned_pids():
     """Worker pids a test saw; any still alive at the end are killed (and fail the test)."""
     pids: list[int] = []
     yield pids
-    left = [pid for pid in pids if _alive(pid)]
+    left = [pid for pid in pids if alive(pid)]
     for pid in left:
         os.killpg(pid, signal.SIGKILL)
     assert not left, f"worker processes left behind: {left}"
@@ -155,7 +147,7 @@ def test_start_status_stop_leaves_no_process(agent, key_file, spawned_pids):
     workers = session.status()
     assert [(w.rank, w.device, w.alive, w.exit_code) for w in workers] == [(3, 2, True, None), (5, 0, True, None)]
     for w in workers:
-        assert _alive(w.pid)
+        assert alive(w.pid)
         with open(f"/proc/{w.pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
         assert argv[-9:-1] == [b"--controller", CONTROLLER.encode(), b"--key-file", key_file.encode(),
@@ -165,7 +157,7 @@ def test_start_status_stop_leaves_no_process(agent, key_file, spawned_pids):
     stopped = session.stop(grace_s=GRACE_S)
     assert [w.rank for w in stopped] == [3, 5] and not any(w.alive for w in stopped)
     assert [w.exit_code for w in stopped] == [-signal.SIGTERM, -signal.SIGTERM]
-    assert not any(_alive(w.pid) for w in workers)
+    assert not any(alive(w.pid) for w in workers)
     assert agent_info(agent.address, read_key(key_file))["busy"] is False
     assert "agent stopped a session" in agent.log()
 
@@ -198,7 +190,7 @@ def test_stop_escalates_to_sigkill_for_the_whole_process_group(tmp_path):
     stop_processes([worker], grace_s=0.5)
     assert 0.5 <= time.monotonic() - start < 5
     assert popen.returncode == -signal.SIGKILL
-    _wait_until(lambda: not _alive(child_pid), timeout_s=5)
+    _wait_until(lambda: not alive(child_pid), timeout_s=5)
 
 
 def test_wrong_key_is_refused_and_logged(agent, key_file):
@@ -258,7 +250,7 @@ def test_lease_expiry_kills_workers_and_a_new_session_follows(agent, key_file, s
     started = client.call("StartWorkers", {"controller": CONTROLLER, "ranks": [0, 1], "lease_s": lease_s})
     pids = [w["pid"] for w in started["workers"]]
     spawned_pids.extend(pids)
-    took = _wait_until(lambda: not any(_alive(pid) for pid in pids), timeout_s=lease_s + GRACE_S + 3)
+    took = _wait_until(lambda: not any(alive(pid) for pid in pids), timeout_s=lease_s + GRACE_S + 3)
     assert took >= lease_s - 0.2
     assert "agent lease expired" in agent.log()
     with pytest.raises(AgentSessionLostError, match="lease .* ran out"):
@@ -280,7 +272,7 @@ def test_killed_agent_gives_typed_errors_within_seconds_and_a_restarted_one_serv
     agent.proc.kill()
     agent.proc.wait()
     # the agent could not stop its workers: the kernel does (their parent-death signal)
-    _wait_until(lambda: not any(_alive(w.pid) for w in session.workers), timeout_s=3)
+    _wait_until(lambda: not any(alive(w.pid) for w in session.workers), timeout_s=3)
     start = time.monotonic()
     with pytest.raises(AgentUnreachableError, match=re.escape(agent.address)):
         session.status()
@@ -309,7 +301,7 @@ def test_agent_sigterm_stops_its_workers(own_agent, key_file, spawned_pids):
     spawned_pids.extend(w.pid for w in session.workers)
     agent.proc.terminate()
     assert agent.proc.wait(timeout=GRACE_S + 10) == 0
-    assert not any(_alive(w.pid) for w in session.workers)
+    assert not any(alive(w.pid) for w in session.workers)
     assert "agent shutting down" in agent.log()
 
 
