@@ -3,8 +3,8 @@
 Four gloo processes on 127.0.0.1 run every communicating kind over uneven shapes, through the
 all-gather path (CPU's, bit-identical to the in-process runners), CPU's path for large payloads
 (flags first, then the payload alone; all-reduce in chunks; bit-identical too: ``split_bytes=0``
-sends every case there) and the native path (the one NCCL takes on GPUs; gloo can run it too). A failed contribution must not hang its
-peers and must leave the failed rank poisoned.
+sends every case there) and the native path (the one NCCL takes on GPUs; gloo can run it too).
+A failed contribution must not hang its peers and must leave the failed rank poisoned.
 """
 
 from __future__ import annotations
