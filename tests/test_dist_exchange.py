@@ -1,4 +1,4 @@
-"""DistExchange (comm/dist.py) between real processes: both payload paths against combine_one.
+"""DistExchange (comm/dist.py) between real processes: its payload paths against combine_one.
 
 Four gloo processes on 127.0.0.1 run every communicating kind over uneven shapes, through the
 all-gather path (CPU's, bit-identical to the in-process runners), CPU's path for large payloads
