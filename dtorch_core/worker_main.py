@@ -90,6 +90,7 @@ def _serve(config: dict) -> int:
     import torch
     import torch.distributed as dist
 
+    from .controller.heap import freeze_worker
     from .ir import wire
     from .ir.instructions import Reply
     from .logging import configure
@@ -126,6 +127,7 @@ def _serve(config: dict) -> int:
 
     exchange = plugins.registry("communicators").get(config["communicator"]).create(rank, device)
     worker = Worker(rank, device, plugins.registry("kernels"), exchange, reply, streams)
+    freeze_worker()
     reply(Reply(READY, rank, value=None))
     log.debug("worker ready")
     report_drain = bool(config.get("report_drain")) and streams.reports_drain and hasattr(rx, "set_hungry")

@@ -54,3 +54,22 @@ def test_dtorch_gc_freeze_0_leaves_the_heap_alone(monkeypatch):
         assert gc.get_freeze_count() == 0
     finally:
         dt.shutdown()
+
+
+def test_process_workers_freeze_their_heap_when_ready(monkeypatch):
+    # a worker process imported torch as the controller did: full collections in the middle of
+    # a step skip those objects too (dt.memory_stats reports the worker's frozen count)
+    monkeypatch.delenv("DTORCH_GC_FREEZE", raising=False)
+    dt.shutdown()
+    dt.init(world_size=2, runner="process")
+    try:
+        frozen = [s["frozen_objects"] for s in dt.memory_stats()]
+    finally:
+        dt.shutdown()
+    assert all(n > 10_000 for n in frozen), frozen  # torch alone is about 100,000 objects
+    monkeypatch.setenv("DTORCH_GC_FREEZE", "0")
+    dt.init(world_size=2, runner="process")
+    try:
+        assert [s["frozen_objects"] for s in dt.memory_stats()] == [0, 0]
+    finally:
+        dt.shutdown()

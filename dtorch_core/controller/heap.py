@@ -12,11 +12,18 @@ generations): what existed before ``dt.init`` is left out of every later collect
 still freed the usual way when nothing refers to it. Only an object from before ``dt.init`` that
 becomes part of unreachable cycles during the session stays until ``dt.shutdown()``, which
 unfreezes the heap. ``DTORCH_GC_FREEZE=0`` turns it off.
+
+A worker process does the same once it is ready (:func:`freeze_worker`): it imported torch (and
+the plugins) too, and lives only as long as its session, so its heap stays frozen to the end. On
+the CPU, a small DiT training step on one process worker saw a full collection of about 200,000
+objects (100 ms) in its first 30 steps.
 """
 
 from __future__ import annotations
 
 import gc
+
+from .settings import setting
 
 _froze = False
 
@@ -28,6 +35,12 @@ def freeze_on_start() -> None:
     gc.collect(1)  # the young generations' garbage (cheap); the old one is left as it is
     gc.freeze()
     _froze = True
+
+
+def freeze_worker() -> None:
+    """A worker process's heap, frozen when it is ready (``DTORCH_GC_FREEZE=0``: left alone)."""
+    if setting("gc_freeze", None, "DTORCH_GC_FREEZE", True, "flag"):
+        freeze_on_start()
 
 
 def unfreeze_on_end() -> None:

@@ -14,6 +14,8 @@ Collective instructions are in ``collectives.py``, programs (define, expand a re
 
 from __future__ import annotations
 
+import gc
+
 import attrs
 import structlog
 import torch
@@ -430,8 +432,10 @@ class Worker(WorkerCollectives, WorkerPrograms):
                 if ptr not in seen:
                     seen.add(ptr)
                     nbytes += storage.nbytes()
+        # frozen_objects: the objects of the worker's process that its cyclic garbage collector
+        # skips (controller/heap.py)
         stats = {"rank": self.rank, "live_tensors": live, "bytes": nbytes, "plans": len(self.plans),
-                 **self.streams.memory_stats()}
+                 "frozen_objects": gc.get_freeze_count(), **self.streams.memory_stats()}
         if self.fused_segments:  # only sessions that fuse see these counters
             stats.update(fused_segments=self.fused_segments, fused_runs=self.fused_runs,
                          fused_fallbacks=self.fused_fallbacks)

@@ -311,6 +311,7 @@ def _run(endpoint: WorkerEndpoint, config: dict, address: str, device_index: int
     import torch
     import torch.distributed as dist
 
+    from dtorch_core.controller.heap import freeze_worker
     from dtorch_core.ir import wire
     from dtorch_core.ir.instructions import Reply
     from dtorch_core.logging import configure
@@ -345,6 +346,7 @@ def _run(endpoint: WorkerEndpoint, config: dict, address: str, device_index: int
 
     exchange = plugins.registry("communicators").get(config["communicator"]).create(rank, streams.device)
     worker = Worker(rank, streams.device, plugins.registry("kernels"), exchange, reply, streams)
+    freeze_worker()
     reply(Reply(READY, rank, value=None))
     log.debug("worker ready", controller=address)
     decode = functools.partial(decode_local, rank=rank)
