@@ -52,6 +52,19 @@ PyObject *intern(const char *name) {
 }
 
 
+// A session attribute: from the instance's __dict__ (the names are interned, their hashes
+// cached), else through getattr (a class attribute, a property). One generic getattr per field
+// and op cost about as much as the rest of the key's lookup. New reference; nullptr: an error.
+PyObject *session_attr(PyObject *session, PyObject *dict, PyObject *name) {
+    PyObject *v = PyDict_GetItemWithError(dict, name);  // borrowed
+    if (v) {
+        Py_INCREF(v);
+        return v;
+    }
+    if (PyErr_Occurred()) return nullptr;
+    return PyObject_GetAttr(session, name);
+}
+
 // A new Call with its fields set, without running its __init__ (the frozen attrs Call's
 // __init__ only stores them). It holds numbers, tuples of numbers and a source, so it can be in
 // no reference cycle: it leaves the garbage collector's lists, which a long stream of pending
@@ -128,7 +141,8 @@ PyObject *python_path(PyObject *func, PyObject *args, PyObject *kwargs) {
 }
 
 // The simple plan's work (DirectPlan._run_simple); nullptr with no error set: take the Python path.
-PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs, PyObject *numbers) {
+PyObject *run_simple(PyObject *session, PyObject *dict, PyObject *fast, PyObject *inputs, PyObject *numbers) {
+    // dict: the session's __dict__
     // fast = (plan_id, outs, seeded, view_kind, structure) (DirectPlan._fast_form): per flat
     // output (spec, view, shape, stride, dtype, device), None, or (size,); structure 0: the one
     // tensor, 1: a tuple, 2: a list
@@ -177,14 +191,14 @@ PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs, PyObje
             PyErr_SetString(PyExc_SystemError, "dtorch _fastpath: a fast plan's output entry has an unknown form");
             return nullptr;
         }
-        Ref last(PyObject_GetAttr(session, s_tid_counter));  // session.new_tid()
+        Ref last(session_attr(session, dict, s_tid_counter));  // session.new_tid()
         if (!last) return nullptr;
         PyObject *one = PyLong_FromLong(1);
         PyObject *tid = PyNumber_Add(last.p, one);
         Py_DECREF(one);
         if (!tid) return nullptr;
         PyTuple_SET_ITEM(out_tids.p, i, tid);
-        if (PyObject_SetAttr(session, s_tid_counter, tid) < 0) return nullptr;
+        if (PyDict_SetItem(dict, s_tid_counter, tid) < 0) return nullptr;  // a plain instance attribute
 
         PyObject *made = wrapper_args(PyTuple_GET_ITEM(o, 0), PyTuple_GET_ITEM(o, 2), PyTuple_GET_ITEM(o, 3),
                                       PyTuple_GET_ITEM(o, 4), PyTuple_GET_ITEM(o, 5));
@@ -204,7 +218,7 @@ PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs, PyObje
         PyList_SET_ITEM(results.p, i, tensor.release());
     }
 
-    Ref track(PyObject_GetAttr(session, s_track_source));
+    Ref track(session_attr(session, dict, s_track_source));
     if (!track) return nullptr;
     int tracking = PyObject_IsTrue(track.p);
     if (tracking < 0) return nullptr;
@@ -218,25 +232,23 @@ PyObject *run_simple(PyObject *session, PyObject *fast, PyObject *inputs, PyObje
 
     // session.emit(call): inline unless something shadows emit on the instance (dt.compile's
     // recording does, for the length of a capture)
-    Ref dict(PyObject_GetAttr(session, s_dict));
-    if (!dict) return nullptr;
-    PyObject *shadow = PyDict_GetItemWithError(dict.p, s_emit);  // borrowed
+    PyObject *shadow = PyDict_GetItemWithError(dict, s_emit);  // borrowed
     if (shadow) {
         Ref r(PyObject_CallOneArg(shadow, call.p));
         if (!r) return nullptr;
     } else {
         if (PyErr_Occurred()) return nullptr;
-        Ref pending(PyObject_GetAttr(session, s_pending));
+        Ref pending(session_attr(session, dict, s_pending));
         if (!pending) return nullptr;
         Ref r(PyObject_CallMethodOneArg(pending.p, s_append, call.p));
         if (!r) return nullptr;
-        Ref flush_at(PyObject_GetAttr(session, s_flush_at));
+        Ref flush_at(session_attr(session, dict, s_flush_at));
         if (!flush_at) return nullptr;
         Py_ssize_t waiting = PyObject_Size(pending.p);
         if (waiting < 0) return nullptr;
         Py_ssize_t limit = PyLong_AsSsize_t(flush_at.p);
         if (limit == -1 && PyErr_Occurred()) return nullptr;
-        Ref words(PyObject_GetAttr(session, s_hungry_words));
+        Ref words(session_attr(session, dict, s_hungry_words));
         if (!words) return nullptr;
         if (waiting >= limit || any_hungry(words.p)) {
             Ref f(PyObject_CallMethodNoArgs(session, s_flush));
@@ -329,10 +341,13 @@ PyObject *torch_dispatch(PyObject *, PyObject *const *argv, Py_ssize_t nargs, Py
     if (!handle) return nullptr;
     Ref session(handle_field(handle.p, true));
     if (!session) return nullptr;
-    Ref closed(PyObject_GetAttr(session.p, s_closed));
+    Ref dict(PyObject_GetAttr(session.p, s_dict));
+    if (!dict) return nullptr;
+    if (!PyDict_Check(dict.p)) return python_path(func, args, kwargs);
+    Ref closed(session_attr(session.p, dict.p, s_closed));
     if (!closed) return nullptr;
     if (closed.p != Py_False) return python_path(func, args, kwargs);
-    Ref plans(PyObject_GetAttr(session.p, s_plans));
+    Ref plans(session_attr(session.p, dict.p, s_plans));
     if (!plans) return nullptr;
     if (!PyDict_CheckExact(plans.p)) return python_path(func, args, kwargs);
     PyObject *plan = plan_for(plans.p, key.p, hash);  // borrowed
@@ -348,7 +363,7 @@ PyObject *torch_dispatch(PyObject *, PyObject *const *argv, Py_ssize_t nargs, Py
     if (fast && fast != Py_None) {
         Ref number_tuple(numbers ? PyList_AsTuple(numbers.p) : (Py_INCREF(cfg.empty_tuple), cfg.empty_tuple));
         if (!number_tuple) return nullptr;
-        PyObject *r = run_simple(session.p, fast, inputs.p, number_tuple.p);
+        PyObject *r = run_simple(session.p, dict.p, fast, inputs.p, number_tuple.p);
         if (r || PyErr_Occurred()) return r;
         return python_path(func, args, kwargs);
     }

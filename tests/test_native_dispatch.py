@@ -212,6 +212,26 @@ def _two_lines(a):
 
 
 @needs_native
+def test_ops_inside_torch_functions_name_the_callers_line(mesh1d):
+    # F.silu is Python in torch.nn.functional: the walk skips its frame (whose verdict the native
+    # path keeps by the code object's address) and names this file's line, the same every call
+    a = dt.distribute_tensor(torch.randn(6, 4), mesh1d, [dt.Shard(0)])
+    seen = []
+    for ctx in (python_path, contextlib.nullcontext, contextlib.nullcontext):
+        with ctx(), held_instructions() as held:
+            out = torch.nn.functional.silu(a); line = _line()  # noqa: E702 - the op's own line
+        seen.append([c.source for c in _calls(held)])
+        assert_close(out.full_tensor(), torch.nn.functional.silu(a.full_tensor()))
+    assert seen[0] == seen[1] == seen[2] == [(__file__, line)]
+
+
+def _line():
+    import sys
+
+    return sys._getframe(1).f_lineno
+
+
+@needs_native
 def test_sources_name_each_line_in_a_loop(mesh1d):
     # the native path keeps one source tuple per (code, instruction): lines must still differ
     a = dt.distribute_tensor(torch.randn(6, 4), mesh1d, [dt.Shard(0)])
