@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ref.h"
 #include "workerpath.h"
 
 namespace {
@@ -69,6 +70,70 @@ struct Reader {
         }
         p += 2 + width * k;
         return t;
+    }
+
+    // a Delete's ids: a packed tuple (read_ids), or the plain forms (`8n`, `ce` u32 n) of a tuple of
+    // ints that the encoder writes for more than 255 of them; a non-empty one is a container
+    PyObject *read_id_tuple() {
+        if (!has(1)) return nullptr;
+        unsigned char b = body[p];
+        if (b == 0x80 || b == 0xDA || b == 0xDB) {
+            if (b != 0x80 && room < 1) return nullptr;
+            PyObject *t = read_ids();
+            if (t && b != 0x80) room -= 1;
+            return t;
+        }
+        Py_ssize_t n, head;
+        if ((b & 0xF0) == 0x80) {
+            n = b & 0x0F; head = 1;
+        } else if (b == 0xCE && has(5)) {
+            uint32_t count; memcpy(&count, body + p + 1, 4); n = (Py_ssize_t)count; head = 5;
+        } else {
+            return nullptr;
+        }
+        if (n > end - p - head || room < 1) return nullptr;  // every int takes a byte at least
+        Py_ssize_t p0 = p;
+        p += head;
+        PyObject *t = PyTuple_New(n);
+        if (!t) return nullptr;
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            PyObject *v = read_int();
+            if (!v) { Py_DECREF(t); p = p0; return nullptr; }
+            PyTuple_SET_ITEM(t, i, v);
+        }
+        room -= 1;
+        return t;
+    }
+
+    // one record of a class configure_batch listed (`f0|code`, field count, its fields), or nullptr
+    PyObject *read_record() {
+        if (!has(2) || (body[p] & 0xF0) != 0xF0 || room < 1) return nullptr;
+        const WorkerConfig::Record &rec = cfg.records[body[p] & 0x0F];
+        if (!rec.type || body[p + 1] != rec.fields) return nullptr;
+        room -= 1;
+        p += 2;
+        PyObject *values[8] = {nullptr};
+        int f = 0;
+        for (; f < rec.fields; ++f) {
+            if (rec.kinds[f] == 'i') {
+                values[f] = read_int();
+            } else if (rec.kinds[f] == 'T') {
+                values[f] = read_id_tuple();
+            } else if (has(1) && (body[p] == 0xC1 || body[p] == 0xC2)) {
+                values[f] = body[p] == 0xC2 ? Py_True : Py_False;
+                Py_INCREF(values[f]);
+                p += 1;
+            }
+            if (!values[f]) break;
+        }
+        PyObject *obj = f == rec.fields ? PyBaseObject_Type.tp_new(rec.type, empty_tuple, nullptr) : nullptr;
+        if (!obj) {
+            for (PyObject *v : values) Py_XDECREF(v);
+            return nullptr;
+        }
+        for (f = 0; f < rec.fields; ++f)
+            *reinterpret_cast<PyObject **>(reinterpret_cast<char *>(obj) + rec.offsets[f]) = values[f];
+        return obj;
     }
 
     // a memo reference (`cb` u8 / `cc` u32) to an entry that exists; with `str_only`, to a str
@@ -254,7 +319,73 @@ PyObject *read_calls(PyObject *, PyObject *const *argv, Py_ssize_t nargs) {
     return Py_BuildValue("(nnn)", r.p, r.room, done);
 }
 
+// read_batch(data) -> list | None: a whole batch message read in C++ when it is only Calls and
+// the flat instructions configure_batch listed (Deletes, Stats, Fetches, RunPrograms: a step's
+// frames, eager or replayed), in the forms Reader reads, with its header checked as
+// wire/header.py checks it; None (no error set) for anything else, which the Python decoder then
+// reads from the start: every message it refuses, it refuses with its own WireError.
+PyObject *read_batch(PyObject *, PyObject *data) {
+    if (!cfg.call || !cfg.batch_ready) {
+        PyErr_SetString(PyExc_RuntimeError, "dtorch_core._workerpath: configure_batch() was not called");
+        return nullptr;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_SIMPLE) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    struct Release {
+        Py_buffer *v;
+        ~Release() { PyBuffer_Release(v); }
+    } release{&view};
+    const auto *bytes = (const unsigned char *)view.buf;
+    Py_ssize_t size = view.len;
+    const Py_ssize_t header = 16;  // magic "DW", version u8, kind u8, body u32, data u64
+    if (size < header || bytes[0] != 'D' || bytes[1] != 'W' || bytes[2] != cfg.version || bytes[3] != cfg.kind_batch)
+        Py_RETURN_NONE;
+    uint32_t body_len;
+    uint64_t data_len;
+    memcpy(&body_len, bytes + 4, 4);
+    memcpy(&data_len, bytes + 8, 8);
+    if (data_len != 0 || !body_len || (uint64_t)size != header + (uint64_t)body_len) Py_RETURN_NONE;
+
+    Reader r;
+    r.body = bytes + header;
+    r.end = body_len;
+    r.p = 0;
+    Ref memo(PyList_New(0));
+    if (!memo) return nullptr;
+    r.memo = memo.p;
+    r.room = r.end / cfg.container_bytes + cfg.container_allowance;
+    Py_ssize_t n;
+    unsigned char b = r.body[0];
+    if (b >= 0x90 && b < 0xA0) {
+        n = b & 0x0F; r.p = 1;
+    } else if (b == 0xCF && r.has(5)) {
+        uint32_t count; memcpy(&count, r.body + 1, 4); n = (Py_ssize_t)count; r.p = 5;
+    } else {
+        Py_RETURN_NONE;
+    }
+    if (n > r.end - r.p || r.room < 1) Py_RETURN_NONE;  // every record takes a byte at least
+    r.room -= 1;
+    Ref out(PyList_New(n));
+    if (!out) return nullptr;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject *ins = r.has(1) && r.body[r.p] == 0xF3 ? r.read_call() : r.read_record();
+        if (!ins) {
+            if (PyErr_Occurred()) return nullptr;  // out of memory: not a message problem
+            Py_RETURN_NONE;
+        }
+        PyList_SET_ITEM(out.p, i, ins);
+    }
+    if (r.p != r.end) Py_RETURN_NONE;  // trailing bytes: the Python decoder says what they are
+    return out.release();
+}
+
 }  // namespace
+
+PyMethodDef read_batch_def = {"read_batch", (PyCFunction)read_batch, METH_O,
+                              "read_batch(data) -> list | None: a batch of Calls and flat instructions, or None"};
 
 PyMethodDef read_calls_def = {"read_calls", (PyCFunction)(void (*)(void))read_calls, METH_FASTCALL,
                               "read_calls(body, pos, count, memo, room, out) -> (pos, room, calls read)"};

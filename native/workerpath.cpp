@@ -17,6 +17,10 @@
 #include <descrobject.h>
 #include <structmember.h>
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <cstring>
+#include <string>
 
 #include <vector>
 
@@ -430,6 +434,36 @@ NB_MODULE(_workerpath, m) {
 
     m.def("configure_calls", [](nb::handle call) { set_call_class(call); },
           "Hand over the Call class (once, at import of dtorch_core.ir.wire.decode or the worker).");
+    m.def("configure_batch", [](long version, long kind_batch, long container_bytes, long container_allowance,
+                                nb::list records) {
+        if (!cfg.call) throw nb::value_error("dtorch_core._workerpath: configure_calls() first");
+        if (cfg.batch_ready) return;
+        if (container_bytes < 1) throw nb::value_error("container_bytes must be positive");
+        for (nb::handle item : records) {
+            auto rec = nb::cast<nb::tuple>(item);  // (class, class code, field kinds, field names)
+            nb::handle type = rec[0];
+            long code = nb::cast<long>(rec[1]);
+            std::string kinds = nb::cast<std::string>(rec[2]);
+            auto names = nb::cast<nb::tuple>(rec[3]);
+            if (!PyType_Check(type.ptr()) || code < 0 || code >= 16 || kinds.size() > 7 || kinds.size() != names.size()
+                || code == 3)
+                throw nb::value_error("configure_batch: (class, code below 16 but not Call's, kinds, names) expected");
+            WorkerConfig::Record &r = cfg.records[code];
+            for (size_t f = 0; f < kinds.size(); ++f) {
+                if (!strchr("iTb", kinds[f])) throw nb::value_error("configure_batch: field kinds are i, T or b");
+                r.offsets[f] = slot_offset((PyTypeObject *)type.ptr(), nb::cast<std::string>(names[f]).c_str());
+                if (r.offsets[f] < 0) throw nb::python_error();
+                r.kinds[f] = kinds[f];
+            }
+            r.fields = (int)kinds.size();
+            Py_INCREF(type.ptr());
+            r.type = (PyTypeObject *)type.ptr();
+        }
+        cfg.version = version; cfg.kind_batch = kind_batch;
+        cfg.container_bytes = container_bytes; cfg.container_allowance = container_allowance;
+        cfg.batch_ready = true;
+    }, "Hand over the wire constants read_batch checks and the instruction classes it reads besides "
+       "Calls (once, at import of dtorch_core.ir.wire.decode).");
     m.def("configure", [](nb::handle call, nb::handle local_plan, nb::handle failure, nb::handle tensor) {
         for (nb::handle h : {call, local_plan, failure, tensor})
             if (!PyType_Check(h.ptr())) throw nb::type_error("configure() takes four classes");
@@ -453,4 +487,6 @@ NB_MODULE(_workerpath, m) {
     if (!fn || PyModule_AddObject(m.ptr(), "run_calls", fn) < 0) throw nb::python_error();
     PyObject *reader = PyCFunction_NewEx(&read_calls_def, nullptr, m.ptr());
     if (!reader || PyModule_AddObject(m.ptr(), "read_calls", reader) < 0) throw nb::python_error();
+    PyObject *batch_reader = PyCFunction_NewEx(&read_batch_def, nullptr, m.ptr());
+    if (!batch_reader || PyModule_AddObject(m.ptr(), "read_batch", batch_reader) < 0) throw nb::python_error();
 }

@@ -12,6 +12,16 @@ struct WorkerConfig {
     // byte offsets of the slotted fields read per op (attrs classes use __slots__)
     Py_ssize_t plan_id = -1, inputs = -1, outputs = -1, source = -1, seed = -1, numbers = -1, native = -1;
     bool ready = false;
+    // read_batch (configure_batch): the wire constants it checks, and per class code below 16 the
+    // instructions it reads besides Calls: fields of kinds 'i' (int), 'T' (tuple of ints), 'b' (bool)
+    long version = -1, kind_batch = -1, container_bytes = 1, container_allowance = 0;
+    struct Record {
+        PyTypeObject *type = nullptr;
+        char kinds[8] = {0};
+        Py_ssize_t offsets[8] = {0};
+        int fields = 0;
+    } records[16];
+    bool batch_ready = false;
 };
 
 extern WorkerConfig cfg;
@@ -19,3 +29,5 @@ extern PyObject *empty_tuple;  // made at module init
 
 // read_calls(body, pos, count, memo, room, out) -> (pos, room, calls read): native/read_calls.cpp
 extern PyMethodDef read_calls_def;
+// read_batch(data) -> list | None: native/read_calls.cpp
+extern PyMethodDef read_batch_def;

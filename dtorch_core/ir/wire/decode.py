@@ -8,6 +8,7 @@ import itertools
 import os
 import struct
 
+import attrs
 import torch
 
 from .. import instructions as _ins
@@ -25,6 +26,7 @@ from .codes import (
     KIND_BATCH,
     KIND_REPLY,
     MAX_DEPTH,
+    VERSION,
 )
 from .errors import WireError, _short_repr, _type_name
 from .header import _byte_view, _read_header
@@ -62,6 +64,38 @@ def _native_call_reader():
 _read_calls = _native_call_reader()
 
 
+# The instructions a step's frames hold besides Calls, with their fields' kinds for the C++
+# reader: "i" an int, "T" a tuple of ints (tensor ids, ranks), "b" a bool
+_FLAT_RECORDS = {
+    _ins.Delete: "T",
+    _ins.Stats: "ib",
+    _ins.Fetch: "iiTb",
+    _ins.RunProgram: "iTTii",
+}
+
+
+def _native_batch_reader():
+    """``dtorch_core._workerpath.read_batch`` (a whole batch of Calls and the instructions of
+    ``_FLAT_RECORDS`` in C++), or None (as :func:`_native_call_reader`)."""
+    if _read_calls is None:
+        return None
+    from ... import _workerpath
+
+    records = [(cls, _CLASSES[cls].code, kinds, tuple(f.name for f in attrs.fields(cls)))
+               for cls, kinds in _FLAT_RECORDS.items()]
+    _workerpath.configure_batch(VERSION, KIND_BATCH, CONTAINER_BYTES, CONTAINER_ALLOWANCE, records)
+    return _workerpath.read_batch
+
+
+# A step's frames are Calls, the Deletes of what the controller dropped and a sync point's
+# request (or a replay's RunProgram): read whole in C++,
+# with no Python between the header and the list. A frame's decoding is mostly cache misses after
+# the batch before it ran its kernels (bench/RESULTS.md, 2026-12-07): the fewer Python objects
+# and frames it touches, the less it waits. Anything else (or anything malformed) returns None
+# and is read below, which raises every error.
+_read_batch = _native_batch_reader()
+
+
 def _consume(iterator, n: int) -> None:
     """Skip ``n`` items of ``iterator`` (at C speed)."""
     collections.deque(itertools.islice(iterator, n), maxlen=0)
@@ -73,6 +107,10 @@ def decode(data: bytes | bytearray | memoryview):
     Each tensor's bytes are copied once, into a tensor torch allocated, so ``data`` may be
     reused as soon as this returns.
     """
+    if _read_batch is not None:
+        batch = _read_batch(data)
+        if batch is not None:
+            return batch
     mv = _byte_view(data)
     kind, body_len, _ = _read_header(mv)
     body = bytes(mv[HEADER_SIZE : HEADER_SIZE + body_len])
