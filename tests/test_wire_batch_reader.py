@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import random
 
 import pytest
@@ -19,11 +20,22 @@ decode_module = importlib.import_module("dtorch_core.ir.wire.decode")
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"the extension is not built: {native.active()}")
 
 
+def read_batch(data):
+    """The extension's batch reader (also where DTORCH_NATIVE_WORKER=0 keeps the decoder off it)."""
+    return decode_module._native_batch_reader()(data)
+
+
 @contextlib.contextmanager
-def python_decoder():
-    """The decoder with every native reader off."""
+def readers(native_on: bool):
+    """The decoder with the native readers on (both) or off (the Python decoder alone)."""
     saved = decode_module._read_calls, decode_module._read_batch
-    decode_module._read_calls = decode_module._read_batch = None
+    if native_on:
+        from dtorch_core import _workerpath
+
+        decode_module._read_calls = _workerpath.read_calls
+        decode_module._read_batch = decode_module._native_batch_reader()
+    else:
+        decode_module._read_calls = decode_module._read_batch = None
     try:
         yield
     finally:
@@ -32,7 +44,7 @@ def python_decoder():
 
 def decoded(data, *, python: bool):
     """``wire.decode(data)``: the value, or the WireError's text."""
-    with python_decoder() if python else contextlib.nullcontext():
+    with readers(not python):
         try:
             return wire.decode(data)
         except wire.WireError as exc:
@@ -61,18 +73,19 @@ def step_batch():
 
 
 def test_the_decoder_reads_batches_whole_where_the_extension_is_built():
-    assert decode_module._read_batch is not None
+    off = os.environ.get("DTORCH_NATIVE_WORKER", "1") == "0"
+    assert (decode_module._read_batch is None) == off
 
 
 def test_a_steps_batch_is_read_whole_and_equals_the_python_decoders():
     batch = step_batch()
     data = wire.encode(batch)
-    got = decode_module._read_batch(data)
+    got = read_batch(data)
     assert got is not None
     assert got == decoded(data, python=True) == batch
     assert [type(x) for x in got] == [type(x) for x in batch]
     for view in (bytearray(data), memoryview(data)):
-        assert decode_module._read_batch(view) == batch
+        assert read_batch(view) == batch
 
 
 @pytest.mark.parametrize("other", [
@@ -83,18 +96,18 @@ def test_a_steps_batch_is_read_whole_and_equals_the_python_decoders():
 def test_batches_with_anything_else_are_left_to_the_python_decoder(other):
     batch = [*step_batch()[:3], other]
     data = wire.encode(batch)
-    assert decode_module._read_batch(data) is None
+    assert read_batch(data) is None
     assert decoded(data, python=False) == decoded(data, python=True)
 
 
 def test_values_that_are_not_batches_are_left_to_the_python_decoder():
     for value in ((1, 2), [1, 2], {"a": 1}, "text", Stats(1)):
         data = wire.encode(value)
-        assert decode_module._read_batch(data) is None
+        assert read_batch(data) is None
         assert decoded(data, python=False) == decoded(data, python=True) == value
     for batch in ([], [Stats(1)]):  # a list of instructions is a batch, an empty one too
         data = wire.encode(batch)
-        assert decode_module._read_batch(data) == decoded(data, python=True) == batch
+        assert read_batch(data) == decoded(data, python=True) == batch
 
 
 def test_malformed_batches_raise_the_python_decoders_errors():

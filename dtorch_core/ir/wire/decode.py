@@ -76,11 +76,10 @@ _FLAT_RECORDS = {
 
 def _native_batch_reader():
     """``dtorch_core._workerpath.read_batch`` (a whole batch of Calls and the instructions of
-    ``_FLAT_RECORDS`` in C++), or None (as :func:`_native_call_reader`)."""
-    if _read_calls is None:
-        return None
+    ``_FLAT_RECORDS`` in C++), configured; the caller checks that the extension is to be used."""
     from ... import _workerpath
 
+    _workerpath.configure_calls(_ins.Call)
     records = [(cls, _CLASSES[cls].code, kinds, tuple(f.name for f in attrs.fields(cls)))
                for cls, kinds in _FLAT_RECORDS.items()]
     _workerpath.configure_batch(VERSION, KIND_BATCH, CONTAINER_BYTES, CONTAINER_ALLOWANCE, records)
@@ -93,7 +92,7 @@ def _native_batch_reader():
 # the batch before it ran its kernels (bench/RESULTS.md, 2026-12-07): the fewer Python objects
 # and frames it touches, the less it waits. Anything else (or anything malformed) returns None
 # and is read below, which raises every error.
-_read_batch = _native_batch_reader()
+_read_batch = _native_batch_reader() if _read_calls is not None else None
 
 
 def _consume(iterator, n: int) -> None:
