@@ -114,17 +114,25 @@ def forked(blocks, serve) -> int:
     from dtorch_zmq import node, runner  # noqa: F401
     from dtorch_zmq.worker import _native_path, _shm_available
 
+    from dtorch_core.worker_main import _die_with_parent
+
     _native_path()
     _shm_available()
     gc.freeze()  # the children's collections leave the imported objects alone: their pages stay shared
     sys.stdout.flush()
     sys.stderr.flush()
     pids = []
+    parent = os.getpid()
     for first, end in blocks:
         pid = os.fork()
         if pid == 0:  # the child: no thread runs in this process yet
             code = 1
             try:
+                # it goes with the process that forked it: a caller that kills that one (a test
+                # stopping stand-ins whose controller is gone) leaves no rank waiting for ever
+                _die_with_parent()
+                if os.getppid() != parent:
+                    os._exit(1)
                 code = serve(first, end)
             finally:
                 sys.stdout.flush()
