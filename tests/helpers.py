@@ -285,3 +285,29 @@ def python_path():
         yield
     finally:
         DTensor.__torch_dispatch__ = installed
+
+
+def mutated_messages(data: bytes, trials: int, *, header: bool = False, seed: int = 0):
+    """``trials`` wire messages made from ``data`` by one flipped, dropped or inserted byte (the
+    header's body length kept consistent, so the body is read), and with ``header`` also byte
+    flips in the header and cut messages: the decoders' fuzz input. Yields (trial, offset, bytes)."""
+    body_len = int.from_bytes(data[4:8], "little")
+    rng = random.Random(seed)
+    kinds = 4 if header else 3
+    for trial in range(trials):
+        mutated = bytearray(data)
+        where = rng.randrange(0 if header else 16, len(mutated))
+        kind = trial % kinds
+        if kind == 0:
+            mutated[where] = rng.randrange(256)
+        elif kind == 1:
+            where = max(where, 16)
+            del mutated[where]
+            mutated[4:8] = (body_len - 1).to_bytes(4, "little")
+        elif kind == 2:
+            where = max(where, 16)
+            mutated.insert(where, rng.randrange(256))
+            mutated[4:8] = (body_len + 1).to_bytes(4, "little")
+        else:
+            del mutated[where:]
+        yield trial, where, bytes(mutated)

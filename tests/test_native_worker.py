@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 import importlib
 import os
-import random
 
 import pytest
 import structlog
@@ -36,7 +35,7 @@ from dtorch_core.worker.kernels import KernelRegistry
 from dtorch_core.worker.loop import LocalPlan, Worker
 from dtorch_core.worker.streams import WorkerStreams
 
-from .helpers import DEVICE, WORLD_SIZE, S, bad_index_raises
+from .helpers import DEVICE, WORLD_SIZE, S, bad_index_raises, mutated_messages
 
 # the comparisons force each path on their own workers, so they run under DTORCH_NATIVE_WORKER=0 too
 needs_native = pytest.mark.skipif(not native.available(), reason=f"the extension is not built: {native.active()}")
@@ -447,19 +446,5 @@ def test_native_call_reader_rejects_what_python_rejects():
     """Flipped, dropped and inserted bytes in a batch of Calls: both decoders give the same value
     or the same WireError (message and offset); nothing crashes."""
     reader = _native_reader()
-    data = wire.encode(_calls_batch())
-    body_len = int.from_bytes(data[4:8], "little")
-    rng = random.Random(0)
-    for trial in range(3000):
-        mutated = bytearray(data)
-        where = rng.randrange(16, len(mutated))
-        kind = trial % 3
-        if kind == 0:
-            mutated[where] = rng.randrange(256)
-        elif kind == 1:
-            del mutated[where]
-            mutated[4:8] = (body_len - 1).to_bytes(4, "little")  # a consistent header: the body is read
-        else:
-            mutated.insert(where, rng.randrange(256))
-            mutated[4:8] = (body_len + 1).to_bytes(4, "little")
-        assert _decoded(bytes(mutated), reader) == _decoded(bytes(mutated), None), (trial, where)
+    for trial, where, mutated in mutated_messages(wire.encode(_calls_batch()), 3000):
+        assert _decoded(mutated, reader) == _decoded(mutated, None), (trial, where)

@@ -8,13 +8,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import random
 
 import pytest
 
 from dtorch_core.ir import wire
 from dtorch_core.ir.instructions import Call, DefinePlan, Delete, Fetch, Put, RunProgram, Stats
 from dtorch_core.worker import native
+
+from .helpers import mutated_messages
 
 decode_module = importlib.import_module("dtorch_core.ir.wire.decode")
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"the extension is not built: {native.active()}")
@@ -113,24 +114,5 @@ def test_values_that_are_not_batches_are_left_to_the_python_decoder():
 def test_malformed_batches_raise_the_python_decoders_errors():
     """Flipped, dropped and inserted bytes, in the header too, and cut messages: the same value or
     the same WireError (message and offset) with the batch reader as without; nothing crashes."""
-    data = wire.encode(step_batch())
-    body_len = int.from_bytes(data[4:8], "little")
-    rng = random.Random(0)
-    for trial in range(3000):
-        mutated = bytearray(data)
-        where = rng.randrange(0, len(mutated))
-        kind = trial % 4
-        if kind == 0:
-            mutated[where] = rng.randrange(256)
-        elif kind == 1:
-            where = max(where, 16)
-            del mutated[where]
-            mutated[4:8] = (body_len - 1).to_bytes(4, "little")  # a consistent header: the body is read
-        elif kind == 2:
-            where = max(where, 16)
-            mutated.insert(where, rng.randrange(256))
-            mutated[4:8] = (body_len + 1).to_bytes(4, "little")
-        else:
-            del mutated[where:]
-        mutated = bytes(mutated)
+    for trial, where, mutated in mutated_messages(wire.encode(step_batch()), 3000, header=True):
         assert decoded(mutated, python=False) == decoded(mutated, python=True), (trial, where)
