@@ -3,7 +3,8 @@
 # 1. DiT / GPT-2 large steps with the workers' heap frozen (the default now) and without
 #    (DTORCH_GC_FREEZE=0), alternating; 2. the controller's per-op cost on a host whose cores are
 #    not all taken by the bench (issue 16: remote/process; issue 18: process/DTensor);
-# 3. the 1,024-worker start-up on 16 cores (issue 16); 4. DiT's idle split again
+# 3. the 1,024-worker start-up on 16 cores (issue 16); 4. DiT's idle split again, with the
+#    worker reading a step's frames whole in C++ (read_batch: the first frame's 98 us decode)
 set -u
 cd .snap
 source bench/device_env.sh > /dev/null
