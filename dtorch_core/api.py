@@ -114,7 +114,9 @@ def synchronize() -> None:
 
 
 def memory_stats() -> list[dict]:
-    """Per device: ``{"rank", "live_tensors", "bytes"}`` (a sync point)."""
+    """Per device: ``{"rank", "live_tensors", "bytes", "plans", "frozen_objects", ...}`` (a sync
+    point; ``frozen_objects``: what the worker's process keeps out of cyclic collections, see
+    dtorch_core/controller/heap.py; device plugins add their counters)."""
     return current_session().memory_stats()
 
 

@@ -90,6 +90,12 @@ def ring_attention(queries, keys, values, mesh_dim: int, scale: float | None = N
     n = mesh.size(mesh_dim)
     lengths = [q.shape[SEQ] for q in queries]
     blocks = [-(-s // n) for s in lengths]
+    batch = queries[0].shape[0]
+    padded = _padded_batch(queries[0], mesh_dim)
+    if padded != batch:  # rows of zeros at the end, on the ranks that hold fewer: nothing moves
+        queries, keys, values = ([_pad_batch(t, padded) for t in ts] for ts in (queries, keys, values))
+        if attn_mask is not None:
+            attn_mask = (attn_mask if isinstance(attn_mask, RingMask) else RingMask(attn_mask)).for_batch(padded)
     outer = batch_outer(queries[0], mesh_dim)
     q, k, v = (torch.cat([_to_blocks(t, n, outer) for t in ts], dim=TOKENS) for ts in (queries, keys, values))
     if attn_mask is None:
@@ -101,7 +107,30 @@ def ring_attention(queries, keys, values, mesh_dim: int, scale: float | None = N
     out = _RingAttention.apply(q, k, v, biases, scale)
     if live is not None:
         out = torch.where(live, out, 0.0)  # rows with nothing to attend to: SDPA's 0
-    return [_from_blocks(o, s) for o, s in zip(out.split(blocks, dim=TOKENS), lengths)]
+    return [_pad_batch(_from_blocks(o, s), batch) for o, s in zip(out.split(blocks, dim=TOKENS), lengths)]
+
+
+def _padded_batch(x, mesh_dim: int) -> int:
+    """The batch the ring runs on: ``x``'s, or where one mesh dim before ``mesh_dim`` ("sp")
+    splits it unevenly (3 rows on "dp" or "cfg" of 2) and nothing else splits it, that batch
+    padded to the next multiple of its size. torch.chunk's layout of the padded batch keeps every
+    row on its rank (each part is ``ceil(batch / size)`` long either way), so the pad and the crop
+    after it are local, and the ring's (outer, block, inner) layout then holds (a mask with a batch dim is padded with it:
+    RingMask.for_batch). Where several mesh dims split the batch unevenly, padding would move
+    rows between ranks: the batch stays as it is, and its merge gathers (:func:`batch_outer`)."""
+    batch = x.shape[0]
+    splits = [i for i, p in enumerate(x.placements) if p == Shard(0)]
+    if len(splits) != 1 or splits[0] > mesh_dim:  # a dim after "sp" splits the inner rows: no gather
+        return batch
+    size = x.device_mesh.size(splits[0])
+    return batch if batch % size == 0 else size * -(-batch // size)
+
+
+def _pad_batch(x, batch: int):
+    """``x`` with its batch (dim 0) padded with zeros, or cropped, to ``batch`` rows at its end."""
+    if x.shape[0] == batch:
+        return x
+    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, batch - x.shape[0]))
 
 
 def batch_outer(x, mesh_dim: int) -> int:
@@ -115,7 +144,8 @@ def batch_outer(x, mesh_dim: int) -> int:
     holds the run [(c * n + i) * inner, (c * n + i + 1) * inner): contiguous for any batch,
     nested further where a mesh dim after "sp" splits the inner rows. Where the dims before "sp"
     split the batch unevenly there is no such cut: outer is then the batch (one row per part),
-    and a rank holding several rows holds several runs, so the merge gathers."""
+    and a rank holding several rows holds several runs, so the merge gathers. (:func:`ring_attention`
+    pads a batch that one mesh dim splits unevenly first, :func:`_padded_batch`.)"""
     mesh = x.device_mesh
     outer = 1
     for i, p in enumerate(x.placements[:mesh_dim]):

@@ -66,6 +66,20 @@ class RingMask:
     def __init__(self, mask):
         self.mask = mask
         self._laid_out = {}
+        self._padded = {}
+
+    def for_batch(self, batch: int) -> "RingMask":
+        """This mask for queries whose batch ring.py padded to ``batch`` rows: a mask with a batch
+        dim gets rows that attend everywhere (the padded queries' outputs are cropped), made once
+        per call like the layout; a mask without one is this one."""
+        mask = self.mask
+        if mask.ndim < 4 or mask.shape[-4] in (1, batch):
+            return self
+        if batch not in self._padded:
+            fill = True if mask.dtype == torch.bool else 0.0
+            pad = (0, 0) * (mask.ndim - 1) + (0, batch - mask.shape[0])
+            self._padded[batch] = RingMask(F.pad(mask, pad, value=fill))
+        return self._padded[batch]
 
     def biases(self, lengths, q) -> tuple[list, object]:
         key = (tuple(lengths), tuple(q.shape), tuple(q.placements), q.dtype, q.device_mesh)

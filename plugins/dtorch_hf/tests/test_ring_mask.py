@@ -33,10 +33,11 @@ MESHES = {"sp4": ((4,), ("sp",)), "sp3": ((3,), ("sp",)), "tp2xsp2": ((2, 2), ("
 SHARDED_DIM = {"sp": 1, "tp": 2, "cfg": 0}
 # (mesh, stream lengths): 5 text tokens on 4 ranks are 2/2/1/0 (the last block all padding), 13
 # on 3 are 5/5/3, and both streams uneven on tp x sp and cfg x sp
-# (mesh, stream lengths, batch); on cfg x sp a row per cfg rank, and two (the ring's (outer,
-# block, inner) layout keeps each rank's rows one run)
+# (mesh, stream lengths, batch); on cfg x sp a row per cfg rank, two (the ring's (outer,
+# block, inner) layout keeps each rank's rows one run), and 3 rows as 2 + 1 (the ring pads the
+# batch, and a mask's batch dim, to 4 where they lie)
 LAYOUTS = [("sp4", (5, 8), 1), ("sp3", (13,), 1), ("tp2xsp2", (7, 6), 1), ("cfg2xsp2", (5, 6), 2),
-           ("cfg2xsp2", (5, 6), 4)]
+           ("cfg2xsp2", (5, 6), 3), ("cfg2xsp2", (5, 6), 4)]
 # batches > 1 on "sp" alone: tests/test_sp_batch.py
 
 

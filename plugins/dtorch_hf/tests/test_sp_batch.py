@@ -84,13 +84,14 @@ def test_batch_stays_on_sequence_shards(session, strict_gathers, saved, model_na
     _check_batch_on_shards(saved, model_name, _mesh(mesh_name), sp_mode, batch)
 
 
-@pytest.mark.parametrize("batch", [2, 4])
+@pytest.mark.parametrize("batch", [2, 3, 4])
 @pytest.mark.parametrize("sp_mode", ["ulysses", "ring"])
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_rows_split_before_sp_stay_on_their_shards(session, strict_gathers, saved, model_name, sp_mode, batch):
     """cfg=2 x sp=2 (the batch split on the mesh dim before "sp"): one row per cfg rank at batch
     2, two at batch 4, where the ring's merged (batch, block) dim is one contiguous run per rank
-    only in its (outer, block, inner) layout (dtorch_hf/ring.py)."""
+    only in its (outer, block, inner) layout (dtorch_hf/ring.py); 2 + 1 at batch 3, which the ring
+    pads to 4 where the rows lie."""
     mesh = dt.init_device_mesh("cpu", (2, 2), mesh_dim_names=("cfg", "sp"))
     _check_batch_on_shards(saved, model_name, mesh, sp_mode, batch)
 
