@@ -105,9 +105,11 @@ struct Reader {
         return t;
     }
 
-    // one record of a class configure_batch listed (`f0|code`, field count, its fields), or nullptr
-    PyObject *read_record() {
+    // one record of a class configure_messages listed (`f0|code`, field count, its fields), or
+    // nullptr; a reply's class only where `reply` says the message is one
+    PyObject *read_record(bool reply) {
         if (!has(2) || (body[p] & 0xF0) != 0xF0 || room < 1) return nullptr;
+        if (((body[p] & 0x0F) == cfg.reply_code) != reply) return nullptr;
         const WorkerConfig::Record &rec = cfg.records[body[p] & 0x0F];
         if (!rec.type || body[p + 1] != rec.fields) return nullptr;
         room -= 1;
@@ -119,8 +121,12 @@ struct Reader {
                 values[f] = read_int();
             } else if (rec.kinds[f] == 'T') {
                 values[f] = read_id_tuple();
-            } else if (has(1) && (body[p] == 0xC1 || body[p] == 0xC2)) {
+            } else if (rec.kinds[f] == 'b' && has(1) && (body[p] == 0xC1 || body[p] == 0xC2)) {
                 values[f] = body[p] == 0xC2 ? Py_True : Py_False;
+                Py_INCREF(values[f]);
+                p += 1;
+            } else if (rec.kinds[f] == 'n' && has(1) && body[p] == 0xC0) {
+                values[f] = Py_None;
                 Py_INCREF(values[f]);
                 p += 1;
             }
@@ -319,14 +325,15 @@ PyObject *read_calls(PyObject *, PyObject *const *argv, Py_ssize_t nargs) {
     return Py_BuildValue("(nnn)", r.p, r.room, done);
 }
 
-// read_batch(data) -> list | None: a whole batch message read in C++ when it is only Calls and
-// the flat instructions configure_batch listed (Deletes, Stats, Fetches, RunPrograms: a step's
-// frames, eager or replayed), in the forms Reader reads, with its header checked as
-// wire/header.py checks it; None (no error set) for anything else, which the Python decoder then
-// reads from the start: every message it refuses, it refuses with its own WireError.
-PyObject *read_batch(PyObject *, PyObject *data) {
+// read_message(data) -> list | Reply | None: a whole batch message read in C++ when it is only
+// Calls and the flat instructions configure_messages listed (Deletes, Stats, Fetches, RunPrograms:
+// a step's frames, eager or replayed), or a reply message of a Reply with neither value nor error
+// (a sync point's), in the forms Reader reads, with its header checked as wire/header.py checks
+// it; None (no error set) for anything else, which the Python decoder then reads from the start:
+// every message it refuses, it refuses with its own WireError.
+PyObject *read_message(PyObject *, PyObject *data) {
     if (!cfg.call || !cfg.batch_ready) {
-        PyErr_SetString(PyExc_RuntimeError, "dtorch_core._workerpath: configure_batch() was not called");
+        PyErr_SetString(PyExc_RuntimeError, "dtorch_core._workerpath: configure_messages() was not called");
         return nullptr;
     }
     Py_buffer view;
@@ -341,7 +348,8 @@ PyObject *read_batch(PyObject *, PyObject *data) {
     const auto *bytes = (const unsigned char *)view.buf;
     Py_ssize_t size = view.len;
     const Py_ssize_t header = 16;  // magic "DW", version u8, kind u8, body u32, data u64
-    if (size < header || bytes[0] != 'D' || bytes[1] != 'W' || bytes[2] != cfg.version || bytes[3] != cfg.kind_batch)
+    if (size < header || bytes[0] != 'D' || bytes[1] != 'W' || bytes[2] != cfg.version
+        || (bytes[3] != cfg.kind_batch && bytes[3] != cfg.kind_reply))
         Py_RETURN_NONE;
     uint32_t body_len;
     uint64_t data_len;
@@ -357,6 +365,18 @@ PyObject *read_batch(PyObject *, PyObject *data) {
     if (!memo) return nullptr;
     r.memo = memo.p;
     r.room = r.end / cfg.container_bytes + cfg.container_allowance;
+    if (bytes[3] == cfg.kind_reply) {  // one Reply (of a sync point: no value, no error)
+        PyObject *reply = r.read_record(true);
+        if (!reply) {
+            if (PyErr_Occurred()) return nullptr;
+            Py_RETURN_NONE;
+        }
+        if (r.p != r.end) {
+            Py_DECREF(reply);
+            Py_RETURN_NONE;
+        }
+        return reply;
+    }
     Py_ssize_t n;
     unsigned char b = r.body[0];
     if (b >= 0x90 && b < 0xA0) {
@@ -371,7 +391,7 @@ PyObject *read_batch(PyObject *, PyObject *data) {
     Ref out(PyList_New(n));
     if (!out) return nullptr;
     for (Py_ssize_t i = 0; i < n; ++i) {
-        PyObject *ins = r.has(1) && r.body[r.p] == 0xF3 ? r.read_call() : r.read_record();
+        PyObject *ins = r.has(1) && r.body[r.p] == 0xF3 ? r.read_call() : r.read_record(false);
         if (!ins) {
             if (PyErr_Occurred()) return nullptr;  // out of memory: not a message problem
             Py_RETURN_NONE;
@@ -384,8 +404,8 @@ PyObject *read_batch(PyObject *, PyObject *data) {
 
 }  // namespace
 
-PyMethodDef read_batch_def = {"read_batch", (PyCFunction)read_batch, METH_O,
-                              "read_batch(data) -> list | None: a batch of Calls and flat instructions, or None"};
+PyMethodDef read_message_def = {"read_message", (PyCFunction)read_message, METH_O,
+                              "read_message(data) -> list | Reply | None: a batch of Calls and flat instructions, a bare Reply, or None"};
 
 PyMethodDef read_calls_def = {"read_calls", (PyCFunction)(void (*)(void))read_calls, METH_FASTCALL,
                               "read_calls(body, pos, count, memo, room, out) -> (pos, room, calls read)"};

@@ -434,8 +434,8 @@ NB_MODULE(_workerpath, m) {
 
     m.def("configure_calls", [](nb::handle call) { set_call_class(call); },
           "Hand over the Call class (once, at import of dtorch_core.ir.wire.decode or the worker).");
-    m.def("configure_batch", [](long version, long kind_batch, long container_bytes, long container_allowance,
-                                nb::list records) {
+    m.def("configure_messages", [](long version, long kind_batch, long kind_reply, long reply_code,
+                                   long container_bytes, long container_allowance, nb::list records) {
         if (!cfg.call) throw nb::value_error("dtorch_core._workerpath: configure_calls() first");
         if (cfg.batch_ready) return;
         if (container_bytes < 1) throw nb::value_error("container_bytes must be positive");
@@ -447,10 +447,10 @@ NB_MODULE(_workerpath, m) {
             auto names = nb::cast<nb::tuple>(rec[3]);
             if (!PyType_Check(type.ptr()) || code < 0 || code >= 16 || kinds.size() > 7 || kinds.size() != names.size()
                 || code == 3)
-                throw nb::value_error("configure_batch: (class, code below 16 but not Call's, kinds, names) expected");
+                throw nb::value_error("configure_messages: (class, code below 16 but not Call's, kinds, names) expected");
             WorkerConfig::Record &r = cfg.records[code];
             for (size_t f = 0; f < kinds.size(); ++f) {
-                if (!strchr("iTb", kinds[f])) throw nb::value_error("configure_batch: field kinds are i, T or b");
+                if (!strchr("iTbn", kinds[f])) throw nb::value_error("configure_messages: field kinds are i, T, b or n");
                 r.offsets[f] = slot_offset((PyTypeObject *)type.ptr(), nb::cast<std::string>(names[f]).c_str());
                 if (r.offsets[f] < 0) throw nb::python_error();
                 r.kinds[f] = kinds[f];
@@ -459,11 +459,11 @@ NB_MODULE(_workerpath, m) {
             Py_INCREF(type.ptr());
             r.type = (PyTypeObject *)type.ptr();
         }
-        cfg.version = version; cfg.kind_batch = kind_batch;
+        cfg.version = version; cfg.kind_batch = kind_batch; cfg.kind_reply = kind_reply; cfg.reply_code = reply_code;
         cfg.container_bytes = container_bytes; cfg.container_allowance = container_allowance;
         cfg.batch_ready = true;
-    }, "Hand over the wire constants read_batch checks and the instruction classes it reads besides "
-       "Calls (once, at import of dtorch_core.ir.wire.decode).");
+    }, "Hand over the wire constants read_message checks and the classes it reads besides Calls (the "
+       "reply's at reply_code; once, at import of dtorch_core.ir.wire.decode).");
     m.def("configure", [](nb::handle call, nb::handle local_plan, nb::handle failure, nb::handle tensor) {
         for (nb::handle h : {call, local_plan, failure, tensor})
             if (!PyType_Check(h.ptr())) throw nb::type_error("configure() takes four classes");
@@ -487,6 +487,6 @@ NB_MODULE(_workerpath, m) {
     if (!fn || PyModule_AddObject(m.ptr(), "run_calls", fn) < 0) throw nb::python_error();
     PyObject *reader = PyCFunction_NewEx(&read_calls_def, nullptr, m.ptr());
     if (!reader || PyModule_AddObject(m.ptr(), "read_calls", reader) < 0) throw nb::python_error();
-    PyObject *batch_reader = PyCFunction_NewEx(&read_batch_def, nullptr, m.ptr());
-    if (!batch_reader || PyModule_AddObject(m.ptr(), "read_batch", batch_reader) < 0) throw nb::python_error();
+    PyObject *message_reader = PyCFunction_NewEx(&read_message_def, nullptr, m.ptr());
+    if (!message_reader || PyModule_AddObject(m.ptr(), "read_message", message_reader) < 0) throw nb::python_error();
 }

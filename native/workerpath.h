@@ -12,9 +12,11 @@ struct WorkerConfig {
     // byte offsets of the slotted fields read per op (attrs classes use __slots__)
     Py_ssize_t plan_id = -1, inputs = -1, outputs = -1, source = -1, seed = -1, numbers = -1, native = -1;
     bool ready = false;
-    // read_batch (configure_batch): the wire constants it checks, and per class code below 16 the
-    // instructions it reads besides Calls: fields of kinds 'i' (int), 'T' (tuple of ints), 'b' (bool)
-    long version = -1, kind_batch = -1, container_bytes = 1, container_allowance = 0;
+    // read_message (configure_messages): the wire constants it checks, and per class code below
+    // 16 the objects it reads besides Calls: fields of kinds 'i' (int), 'T' (tuple of ints), 'b'
+    // (bool), 'n' (None); the one at reply_code only as a reply message, the others in batches
+    long version = -1, kind_batch = -1, kind_reply = -1, reply_code = -1, container_bytes = 1,
+         container_allowance = 0;
     struct Record {
         PyTypeObject *type = nullptr;
         char kinds[8] = {0};
@@ -29,5 +31,5 @@ extern PyObject *empty_tuple;  // made at module init
 
 // read_calls(body, pos, count, memo, room, out) -> (pos, room, calls read): native/read_calls.cpp
 extern PyMethodDef read_calls_def;
-// read_batch(data) -> list | None: native/read_calls.cpp
-extern PyMethodDef read_batch_def;
+// read_message(data) -> list | None: native/read_calls.cpp
+extern PyMethodDef read_message_def;

@@ -404,15 +404,15 @@ def _native_reader():
 
 def _decoded(data, native_reader):
     """``wire.decode(data)`` with the native Call reader on or off (the whole-batch reader off: its
-    tests are tests/test_wire_batch_reader.py): the value, or the WireError's text."""
-    saved = _decode_module._read_calls, _decode_module._read_batch
-    _decode_module._read_calls, _decode_module._read_batch = native_reader, None
+    tests are tests/test_wire_message_reader.py): the value, or the WireError's text."""
+    saved = _decode_module._read_calls, _decode_module._read_message
+    _decode_module._read_calls, _decode_module._read_message = native_reader, None
     try:
         return wire.decode(data)
     except wire.WireError as exc:
         return f"WireError: {exc}"
     finally:
-        _decode_module._read_calls, _decode_module._read_batch = saved
+        _decode_module._read_calls, _decode_module._read_message = saved
 
 
 def _calls_batch():

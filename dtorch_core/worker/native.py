@@ -11,8 +11,9 @@ hands a kernel's exception back so that the worker records the failure as ``Work
 results, failures and logs are the Python path's.
 
 ``dtorch_core.ir.wire``'s decoder uses the same extension for runs of Call records, and reads a
-whole batch of Calls and flat instructions (Delete, Stats, Fetch, RunProgram: a step's frames) in
-it, with no Python between the header and the list (``read_batch``).
+whole batch of Calls and flat instructions (Delete, Stats, Fetch, RunProgram: a step's frames),
+or a sync point's bare Reply (on the controller), in it, with no Python between the header and
+the value (``read_message``).
 
 ``DTORCH_NATIVE_WORKER=0`` keeps the Python path (the decoder's too); so does a build without the
 extension (no compiler). ``dtorch info`` says which one runs.

@@ -64,35 +64,39 @@ def _native_call_reader():
 _read_calls = _native_call_reader()
 
 
-# The instructions a step's frames hold besides Calls, with their fields' kinds for the C++
-# reader: "i" an int, "T" a tuple of ints (tensor ids, ranks), "b" a bool
+# The objects a step's messages hold besides Calls, with their fields' kinds for the C++ reader:
+# "i" an int, "T" a tuple of ints (tensor ids, ranks), "b" a bool, "n" None. The Reply is read
+# only as a reply message, and only without a value or an error (a sync point's answer).
 _FLAT_RECORDS = {
     _ins.Delete: "T",
     _ins.Stats: "ib",
     _ins.Fetch: "iiTb",
     _ins.RunProgram: "iTTii",
+    _ins.Reply: "iinn",
 }
 
 
-def _native_batch_reader():
-    """``dtorch_core._workerpath.read_batch`` (a whole batch of Calls and the instructions of
-    ``_FLAT_RECORDS`` in C++), configured; the caller checks that the extension is to be used."""
+def _native_message_reader():
+    """``dtorch_core._workerpath.read_message`` (a whole batch of Calls and the instructions of
+    ``_FLAT_RECORDS``, or a bare Reply, in C++), configured; the caller checks that the extension
+    is to be used."""
     from ... import _workerpath
 
     _workerpath.configure_calls(_ins.Call)
     records = [(cls, _CLASSES[cls].code, kinds, tuple(f.name for f in attrs.fields(cls)))
                for cls, kinds in _FLAT_RECORDS.items()]
-    _workerpath.configure_batch(VERSION, KIND_BATCH, CONTAINER_BYTES, CONTAINER_ALLOWANCE, records)
-    return _workerpath.read_batch
+    _workerpath.configure_messages(VERSION, KIND_BATCH, KIND_REPLY, _CLASSES[_ins.Reply].code, CONTAINER_BYTES,
+                                   CONTAINER_ALLOWANCE, records)
+    return _workerpath.read_message
 
 
 # A step's frames are Calls, the Deletes of what the controller dropped and a sync point's
-# request (or a replay's RunProgram): read whole in C++,
-# with no Python between the header and the list. A frame's decoding is mostly cache misses after
-# the batch before it ran its kernels (bench/RESULTS.md, 2026-12-07): the fewer Python objects
-# and frames it touches, the less it waits. Anything else (or anything malformed) returns None
-# and is read below, which raises every error.
-_read_batch = _native_batch_reader() if _read_calls is not None else None
+# request (or a replay's RunProgram), and the sync's answer a bare Reply: read whole in C++, with
+# no Python between the header and the value. A frame's decoding is mostly cache misses after
+# the batch before it ran its kernels (bench/RESULTS.md, 2026-12-07), and a reply reaches a
+# thread that slept: the fewer Python objects and frames they touch, the less they wait.
+# Anything else (or anything malformed) returns None and is read below, which raises every error.
+_read_message = _native_message_reader() if _read_calls is not None else None
 
 
 def _consume(iterator, n: int) -> None:
@@ -106,10 +110,10 @@ def decode(data: bytes | bytearray | memoryview):
     Each tensor's bytes are copied once, into a tensor torch allocated, so ``data`` may be
     reused as soon as this returns.
     """
-    if _read_batch is not None:
-        batch = _read_batch(data)
-        if batch is not None:
-            return batch
+    if _read_message is not None:
+        value = _read_message(data)
+        if value is not None:
+            return value
     mv = _byte_view(data)
     kind, body_len, _ = _read_header(mv)
     body = bytes(mv[HEADER_SIZE : HEADER_SIZE + body_len])
