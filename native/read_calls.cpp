@@ -332,7 +332,7 @@ PyObject *read_calls(PyObject *, PyObject *const *argv, Py_ssize_t nargs) {
 // it; None (no error set) for anything else, which the Python decoder then reads from the start:
 // every message it refuses, it refuses with its own WireError.
 PyObject *read_message(PyObject *, PyObject *data) {
-    if (!cfg.call || !cfg.batch_ready) {
+    if (!cfg.call || !cfg.messages_ready) {
         PyErr_SetString(PyExc_RuntimeError, "dtorch_core._workerpath: configure_messages() was not called");
         return nullptr;
     }

@@ -437,7 +437,7 @@ NB_MODULE(_workerpath, m) {
     m.def("configure_messages", [](long version, long kind_batch, long kind_reply, long reply_code,
                                    long container_bytes, long container_allowance, nb::list records) {
         if (!cfg.call) throw nb::value_error("dtorch_core._workerpath: configure_calls() first");
-        if (cfg.batch_ready) return;
+        if (cfg.messages_ready) return;
         if (container_bytes < 1) throw nb::value_error("container_bytes must be positive");
         for (nb::handle item : records) {
             auto rec = nb::cast<nb::tuple>(item);  // (class, class code, field kinds, field names)
@@ -461,7 +461,7 @@ NB_MODULE(_workerpath, m) {
         }
         cfg.version = version; cfg.kind_batch = kind_batch; cfg.kind_reply = kind_reply; cfg.reply_code = reply_code;
         cfg.container_bytes = container_bytes; cfg.container_allowance = container_allowance;
-        cfg.batch_ready = true;
+        cfg.messages_ready = true;
     }, "Hand over the wire constants read_message checks and the classes it reads besides Calls (the "
        "reply's at reply_code; once, at import of dtorch_core.ir.wire.decode).");
     m.def("configure", [](nb::handle call, nb::handle local_plan, nb::handle failure, nb::handle tensor) {

@@ -23,7 +23,7 @@ struct WorkerConfig {
         Py_ssize_t offsets[8] = {0};
         int fields = 0;
     } records[16];
-    bool batch_ready = false;
+    bool messages_ready = false;
 };
 
 extern WorkerConfig cfg;
@@ -31,5 +31,5 @@ extern PyObject *empty_tuple;  // made at module init
 
 // read_calls(body, pos, count, memo, room, out) -> (pos, room, calls read): native/read_calls.cpp
 extern PyMethodDef read_calls_def;
-// read_message(data) -> list | None: native/read_calls.cpp
+// read_message(data) -> list | Reply | None: native/read_calls.cpp
 extern PyMethodDef read_message_def;
