@@ -100,6 +100,17 @@ def kernels():
         found["ours"] = (lambda q, k, v, causal: sage_attention(q, k, v, causal=causal), "")
     except ImportError as exc:
         found["ours"] = (None, f"dtorch_sage_attn.triton_sage not importable ({exc})")
+    try:
+        from dtorch_sage_attn.triton_sage import LaunchConfig, _sage_attention, gluon_serves
+
+        gluon_cfg = LaunchConfig(64, 128, 4, 2, 1, gluon=1)
+        if gluon_serves(torch.empty(0, device="cuda"), gluon_cfg):
+            found["gluon"] = (lambda q, k, v, causal: _sage_attention(
+                q, k, v, causal, None, False, gluon_cfg), "")
+        else:
+            found["gluon"] = (None, "the Gluon kernel needs sm_90 and Triton with Gluon")
+    except ImportError as exc:
+        found["gluon"] = (None, f"dtorch_sage_attn.triton_sage not importable ({exc})")
     found["auto"] = _auto_kernel()
     return found
 
@@ -229,7 +240,7 @@ def main():
     parser.add_argument("--graph", action="store_true",
                         help="time CUDA-graph replays instead of eager calls")
     parser.add_argument("--kernels", default=None,
-                        help="comma-separated subset of sdpa,sage106,ours,auto (sdpa always)")
+                        help="comma-separated subset of sdpa,sage106,ours,gluon,auto (sdpa always)")
     args = parser.parse_args()
     GRAPH["on"] = args.graph
     if not torch.cuda.is_available():

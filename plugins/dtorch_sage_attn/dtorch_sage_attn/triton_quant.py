@@ -81,7 +81,7 @@ def _kv_quant_kernel(K, V, Partial, KInt8, KScale, VtFp8, HeadStats, Sk, Sk_pad,
                      stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
                      HKV, NSPLIT, D: tl.constexpr,
                      BLOCK: tl.constexpr, SMOOTH_V: tl.constexpr, QUANT_V: tl.constexpr,
-                     K_TOKEN: tl.constexpr):
+                     K_TOKEN: tl.constexpr, PERMUTE_V: tl.constexpr):
     blk = tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -136,7 +136,12 @@ def _kv_quant_kernel(K, V, Partial, KInt8, KScale, VtFp8, HeadStats, Sk, Sk_pad,
                     + rows[:, None] * stride_vn + offs_d[None, :], mask=valid, other=0.0)
         v = tl.where(valid, (v.to(tl.float32) - v_mean[None, :]) / v_scale[None, :], 0.0)
         v = tl.minimum(tl.maximum(round_to_e4m3(v), -FP8_MAX), FP8_MAX)
-        tl.store(VtFp8 + bh.to(tl.int64) * D * Sk_pad + offs_d[None, :] * Sk_pad + rows[:, None],
+        if PERMUTE_V:  # key 8j + 2t + e of each 32 to column 16(j // 2) + 4t + 2(j % 2) + e
+            cols = ((rows & -32) | (rows & 16) | ((rows & 6) << 1) | ((rows & 8) >> 2)
+                    | (rows & 1))
+        else:
+            cols = rows
+        tl.store(VtFp8 + bh.to(tl.int64) * D * Sk_pad + offs_d[None, :] * Sk_pad + cols[:, None],
                  v.to(VtFp8.dtype.element_ty))
 
 
@@ -147,12 +152,13 @@ def _stats_splits(batch_heads: int, sk: int) -> int:
 
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, block: int, smooth_v: bool = True,
-                quant_v: bool = True, k_token: bool = False):
+                quant_v: bool = True, k_token: bool = False, permute_v: bool = False):
     """K (B, H, Sk, D) and V (same shape), any strides with the last one 1.
 
     Returns ``(k_int8 (B, H, Sk_pad, D), k_scale (B, H, Sk_pad // block) fp32 (with k_token
     (B, H, Sk_pad): one per key), vt_fp8 (B, H, D, Sk_pad) float8_e4m3fn (None without quant_v),
-    head_stats (B, H, 3, D) fp32)``; head_stats holds K's mean, V's mean (zero when not smooth_v
+    head_stats (B, H, 3, D) fp32)``; with permute_v, V^T's columns (keys) are stored in the
+    order the Gluon kernel's P operand takes them (gluon_sage._as_pv_operand); head_stats holds K's mean, V's mean (zero when not smooth_v
     or not quant_v) and V's per-channel scale (one without quant_v). Rows past Sk are zero.
     """
     batch, heads, sk, dim = k.shape
@@ -175,5 +181,5 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, block: int, smooth_v: bool 
     _kv_quant_kernel[(sk_pad // block, heads, batch)](
         k, v, partial, k_int8, k_scale, vt_fp8, head_stats, sk, sk_pad, *strides,
         HKV=heads, NSPLIT=nsplit, D=dim, BLOCK=block, SMOOTH_V=smooth_v, QUANT_V=quant_v,
-        K_TOKEN=k_token, num_warps=4)
+        K_TOKEN=k_token, PERMUTE_V=permute_v, num_warps=4)
     return k_int8, k_scale, (vt_fp8 if quant_v else None), head_stats

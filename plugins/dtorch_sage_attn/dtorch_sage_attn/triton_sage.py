@@ -16,7 +16,8 @@ cost about 2.5% relative L1 each for P and V where the output is noise-like (i.i
 No host syncs and no allocation outside torch's caching allocator (output and scratch), so it can
 be captured in a CUDA graph. Launch configurations are fixed per (head dim, causal) (see
 _CONFIGS; bench/attention.py --sweep times the candidates);
-DTORCH_SAGE_CONFIG="BM,BN,warps,stages[,fused_acc[,pv16[,k_token[,max_regs]]]]" overrides them.
+DTORCH_SAGE_CONFIG="BM,BN,warps,stages[,fused_acc[,pv16[,k_token[,max_regs[,gluon]]]]]" overrides
+them; ``gluon`` picks the Gluon rewrite (gluon_sage.py) where the GPU is sm_90 and Gluon imports.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class LaunchConfig(NamedTuple):
     pv16: int = 0  # 1: P.V in the inputs' 16-bit dtype, V unquantised (else FP8 e4m3)
     k_token: int = 0  # 1: one INT8 scale per key (one more multiply per score), else per block
     max_regs: int = 0  # >0: register cap per thread (ptxas maxnreg): more CTAs an SM
+    gluon: int = 0  # 1: the Gluon kernel (gluon_sage: sm_90 only, FP8 P.V, no pv16 or k_token)
 
 
 # (head_dim, causal) -> launch config: 64 query rows, 128 keys a step, one warpgroup (4 warps)
@@ -248,7 +250,24 @@ if triton is not None:
                      mask=offs_m < Sq)
 
 
+def gluon_serves(q, config: LaunchConfig) -> bool:
+    """Whether ``config`` asks for the Gluon kernel and it can run here (Hopper, sm_90)."""
+    if not config.gluon or config.pv16 or config.k_token or _INTERPRET:
+        return False
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    try:
+        from . import gluon_sage  # noqa: F401 - Triton without Gluon (< 3.5) cannot
+    except ImportError:
+        return False
+    return True
+
+
 def _sage_attention(q, k, v, causal, scale, return_lse, config: LaunchConfig):
+    if gluon_serves(q, config):
+        from .gluon_sage import gluon_attention
+
+        return gluon_attention(q, k, v, causal, scale, return_lse, config)
     batch, hq, sq, dim = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))

@@ -108,10 +108,12 @@ def run_cases(device):
     from dtorch_sage_attn.triton_sage import (
         LaunchConfig,
         _sage_attention,
+        gluon_serves,
         sage_attention,
     )
 
     PV16_CONFIG = LaunchConfig(64, 128, 4, 2, 1, pv16=1, k_token=1)
+    GLUON_CONFIG = LaunchConfig(64, 128, 4, 2, 1, gluon=1)
 
     for name, case in CASES.items():
         q, k, v = make_inputs(case, device)
@@ -137,6 +139,13 @@ def run_cases(device):
                           "fp8_rel_l1": errors(fp8, ref)["rel_l1"],
                           "lse_max_abs": float((pv16_lse.double() - ref_lse.double()).abs().max())}),
               flush=True)
+        # the Gluon kernel (sm_90 only; elsewhere the config falls back to the Triton kernel)
+        gluon, gluon_lse = _sage_attention(q, k, v, causal, None, True, GLUON_CONFIG)
+        print(json.dumps({"case": f"{name}@gluon", **errors(gluon, ref),
+                          "ran_gluon": gluon_serves(q, GLUON_CONFIG),
+                          "lse_max_abs": float((gluon_lse.double() - ref_lse.double()).abs().max())}),
+              flush=True)
+    print(json.dumps({"case": "permuted_v", **_permuted_v_matches(device)}), flush=True)
     if device == "cuda":
         q, k, v = make_inputs(CASES["d128_causal_fp16"], device)
         eager = sage_attention(q, k, v, causal=True)
@@ -149,6 +158,26 @@ def run_cases(device):
         torch.cuda.synchronize()
         print(json.dumps({"case": "cuda_graph", "replay_equals_eager": bool(torch.equal(
             captured, fresh)), "changed": not bool(torch.equal(captured, eager))}), flush=True)
+
+
+def _permuted_v_matches(device):
+    """quantize_kv(permute_v=True) stores V^T's keys in the order the Gluon kernel's P operand
+    takes them: undoing that order the way the kernel reads P (its reshape and permute, here in
+    torch) gives the unpermuted V^T back, and P.V over a block is unchanged."""
+    from dtorch_sage_attn.triton_quant import quantize_kv
+
+    q, k, v = make_inputs((1, 2, 2, 200, 200, 64, False, "bfloat16", "offsets", "bhsd"), device)
+    plain = quantize_kv(k, v, block=128)[2].float()
+    permuted = quantize_kv(k, v, block=128, permute_v=True)[2].float()
+    keys = torch.arange(plain.shape[-1], device=device)
+    # the kernel's slot k holds key key_of_slot[k] (gluon_sage._as_pv_operand's reshape/permute)
+    key_of_slot = keys.reshape(-1, 2, 2, 4, 2).permute(0, 1, 3, 2, 4).reshape(-1)
+    p = torch.rand(3, plain.shape[-1], device=device)
+    p_slots = p[:, key_of_slot]
+    return {"undone": bool(torch.equal(permuted, plain[..., key_of_slot])),
+            "moved": not bool(torch.equal(permuted, plain)),
+            "pv_same": bool(torch.allclose(p_slots @ permuted[0, 0].T, p @ plain[0, 0].T,
+                                           rtol=1e-5, atol=1e-3))}
 
 
 def _collect(device):
@@ -194,6 +223,21 @@ def test_output_and_lse_match_fp32(results, name):
         assert pv16["rel_l1"] <= GATE_REL_L1, pv16
     else:  # noise-like output: INT8 QK^T's ~1% is all that is left
         assert pv16["rel_l1"] <= 0.015 and pv16["rel_l1"] <= pv16["fp8_rel_l1"] / 2, pv16
+    gluon = rows[f"{name}@gluon"]  # same numerics as the FP8 default, another schedule
+    assert gluon["ran_gluon"] == (results[0] == "cuda" and _is_hopper()), gluon
+    assert gluon["finite"] and gluon["cosine"] >= row["cosine"] - 1e-4, (gluon, row)
+    assert gluon["rel_l1"] <= max(row["rel_l1"] * 1.5, GATE_REL_L1 / 2), (gluon, row)
+    assert gluon["lse_max_abs"] <= LSE_TOL, gluon
+
+
+def _is_hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def test_permuted_v_is_the_kernels_key_order(results):
+    """V^T for the Gluon kernel, stored in its P operand's key order (see _permuted_v_matches)."""
+    assert results[1]["permuted_v"] == {"case": "permuted_v", "undone": True, "moved": True,
+                                        "pv_same": True}
 
 
 def test_cuda_graph_replay(results):
@@ -271,6 +315,75 @@ def test_compiles_for_hopper_with_tensor_cores_tma_and_no_spills(tmp_path, dim, 
     else:
         assert "STACK:0 " in usage, usage
         assert "STL" not in sass and "LDL" not in sass
+
+
+def _compile_gluon_for_hopper(config, dim, causal, return_lse):
+    """The Gluon kernel compiled ahead of time for sm_90, its descriptors' types from real
+    (CPU) descriptors of the shapes it is given."""
+    import triton
+    from dtorch_sage_attn import gluon_sage
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    bm, bn = config.block_m, config.block_n
+    q_smem, k_layout, v_layout = gluon_sage._layouts(bm, bn, dim)
+    k_desc = TensorDescriptor.from_tensor(torch.zeros(4 * bn, dim, dtype=torch.int8), [bn, dim],
+                                          k_layout)
+    v_desc = TensorDescriptor.from_tensor(torch.zeros(4 * dim, 4 * bn, dtype=torch.float8_e4m3fn),
+                                          [dim, bn], v_layout)
+    types = {"Q": "*bf16", "k_desc": mangle_type(k_desc), "KScale": "*fp32",
+             "v_desc": mangle_type(v_desc), "HeadStats": "*fp32", "Out": "*bf16",
+             "Lse": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32"}
+    constants = {"D": dim, "BLOCK_M": bm, "BLOCK_N": bn, "CAUSAL": causal,
+                 "RETURN_LSE": return_lse, "FUSED_ACC": bool(config.fused_acc), "Q_SMEM": q_smem,
+                 "num_warps": config.num_warps}
+    kernel = gluon_sage._gluon_sage_kernel
+    signature = {name: "constexpr" if name in constants else types.get(name, "i32")
+                 for name in kernel.arg_names}
+    pointers = [i for i, name in enumerate(kernel.arg_names) if types.get(name, "")[:1] == "*"]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
+    options = {"num_warps": config.num_warps, "num_stages": 1}
+    if config.max_regs:
+        options["maxnreg"] = config.max_regs
+    return triton.compile(GluonASTSource(kernel, signature, constants, attrs),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="the interpreter replaces the compiler")
+@pytest.mark.parametrize("dim,causal,return_lse,fused",
+                         [(128, False, False, 1), (128, True, True, 1), (64, True, True, 0)])
+def test_gluon_kernel_overlaps_softmax_with_pv_on_hopper(tmp_path, dim, causal, return_lse, fused):
+    """The Gluon kernel as sm_90 machine code: INT8 wgmma for QK^T, FP8 wgmma for P.V, TMA; each
+    step waits for QK^T alone (wgmma wait 1) and runs the softmax while P.V is in flight; P
+    becomes the FP8 operand without moving data between threads (no SHFL.IDX); no spills."""
+    import triton
+
+    sys.path.insert(0, PLUGIN_ROOT)
+    pytest.importorskip("triton.experimental.gluon", reason="this triton has no Gluon")
+    from dtorch_sage_attn.triton_sage import LaunchConfig
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                             "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("this triton has no bundled cuobjdump")
+    cubin = tmp_path / "kernel.cubin"
+    config = LaunchConfig(64, 128, 4, 2, fused, gluon=1)
+    cubin.write_bytes(_compile_gluon_for_hopper(config, dim, causal, return_lse).asm["cubin"])
+
+    def dump(flag):
+        return subprocess.run([cuobjdump, flag, str(cubin)], check=True, capture_output=True,
+                              text=True, timeout=120).stdout
+
+    usage, sass = dump("--dump-resource-usage"), dump("--dump-sass")
+    for instruction in ("IGMMA", "QGMMA", "UTMALDG", "MUFU.EX2", "WARPGROUP.DEPBAR.LE gsb0, 0x1"):
+        assert instruction in sass, instruction
+    overlap = sass.split("WARPGROUP.DEPBAR.LE gsb0, 0x1")[1].split("WARPGROUP.DEPBAR.LE")[0]
+    assert overlap.count("MUFU.EX2") >= 64, "the softmax is not between the two waits"
+    assert "SHFL.IDX" not in sass
+    assert "STACK:0 " in usage, usage
 
 
 def test_unsupported_reasons():
