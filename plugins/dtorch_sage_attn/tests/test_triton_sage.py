@@ -250,9 +250,7 @@ def test_cuda_graph_replay(results):
 
 def _compile_for_hopper(config, dim, causal, return_lse):
     """Compiles the attention kernel ahead of time for sm_90 (no GPU needed: Triton's ptxas)."""
-    import triton
     from dtorch_sage_attn import triton_sage
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     bn = config.block_n
@@ -264,16 +262,41 @@ def _compile_for_hopper(config, dim, causal, return_lse):
     constants = {"D": dim, "BLOCK_M": config.block_m, "BLOCK_N": bn, "CAUSAL": causal,
                  "RETURN_LSE": return_lse, "INTERPRETER": False, "FUSED_ACC": config.fused_acc,
                  "PV16": bool(config.pv16), "K_TOKEN": bool(config.k_token)}
-    kernel = triton_sage._sage_attn_kernel
+    return _compile_sm90(ASTSource, triton_sage._sage_attn_kernel, types, constants,
+                         {"num_warps": config.num_warps, "num_stages": config.num_stages,
+                          "maxnreg": config.max_regs})
+
+
+def _compile_sm90(source, kernel, types, constants, options):
+    """kernel compiled for sm_90 by Triton's own ptxas (no GPU needed); pointers 16-aligned."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
     signature = {name: "constexpr" if name in constants else types.get(name, "i32")
                  for name in kernel.arg_names}
     pointers = [i for i, name in enumerate(kernel.arg_names) if types.get(name, "")[:1] == "*"]
     attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
-    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    if config.max_regs:
-        options["maxnreg"] = config.max_regs
-    return triton.compile(ASTSource(kernel, signature, constants, attrs),
+    options = {key: value for key, value in options.items() if value}
+    return triton.compile(source(kernel, signature, constants, attrs),
                           target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _machine_code(compiled, tmp_path):
+    """(resource usage, SASS) of a compiled kernel, by the cuobjdump Triton bundles."""
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                             "cuobjdump")
+    if not os.path.exists(cuobjdump):
+        pytest.skip("this triton has no bundled cuobjdump")
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+
+    def dump(flag):
+        return subprocess.run([cuobjdump, flag, str(cubin)], check=True, capture_output=True,
+                              text=True, timeout=120).stdout
+
+    return dump("--dump-resource-usage"), dump("--dump-sass")
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
@@ -289,25 +312,12 @@ def test_compiles_for_hopper_with_tensor_cores_tma_and_no_spills(tmp_path, dim, 
     spills (the pointer-load version of this kernel spilled and ran at 0.7x SDPA). At D=128 the
     log-sum-exp variants do spill a little, outside the inner loops (not asserted here); the
     D=128 defaults cap registers at 168 (max_regs) and spill by design: measured faster."""
-    import triton
-
     sys.path.insert(0, PLUGIN_ROOT)
     from dtorch_sage_attn.triton_sage import LaunchConfig, launch_config
 
     config = {"default": launch_config(dim, causal), "fp8": LaunchConfig(64, 128, 4, 3),
               "pv16": LaunchConfig(64, 128, 4, 2, 1, pv16=1, k_token=1)}[variant]
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                             "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("this triton has no bundled cuobjdump")
-    cubin = tmp_path / "kernel.cubin"
-    cubin.write_bytes(_compile_for_hopper(config, dim, causal, return_lse).asm["cubin"])
-
-    def dump(flag):
-        return subprocess.run([cuobjdump, flag, str(cubin)], check=True, capture_output=True,
-                              text=True, timeout=120).stdout
-
-    usage, sass = dump("--dump-resource-usage"), dump("--dump-sass")
+    usage, sass = _machine_code(_compile_for_hopper(config, dim, causal, return_lse), tmp_path)
     for instruction in ("IGMMA", "HGMMA" if config.pv16 else "QGMMA", "UTMALDG", "MUFU.EX2"):
         assert instruction in sass, instruction
     if config.max_regs:  # the cap holds (three CTAs an SM at D=128); ptxas spills to get there
@@ -320,9 +330,7 @@ def test_compiles_for_hopper_with_tensor_cores_tma_and_no_spills(tmp_path, dim, 
 def _compile_gluon_for_hopper(config, dim, causal, return_lse):
     """The Gluon kernel compiled ahead of time for sm_90, its descriptors' types from real
     (CPU) descriptors of the shapes it is given."""
-    import triton
     from dtorch_sage_attn import gluon_sage
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
@@ -339,16 +347,9 @@ def _compile_gluon_for_hopper(config, dim, causal, return_lse):
     constants = {"D": dim, "BLOCK_M": bm, "BLOCK_N": bn, "CAUSAL": causal,
                  "RETURN_LSE": return_lse, "FUSED_ACC": bool(config.fused_acc), "Q_SMEM": q_smem,
                  "num_warps": config.num_warps}
-    kernel = gluon_sage._gluon_sage_kernel
-    signature = {name: "constexpr" if name in constants else types.get(name, "i32")
-                 for name in kernel.arg_names}
-    pointers = [i for i, name in enumerate(kernel.arg_names) if types.get(name, "")[:1] == "*"]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in pointers}
-    options = {"num_warps": config.num_warps, "num_stages": 1}
-    if config.max_regs:
-        options["maxnreg"] = config.max_regs
-    return triton.compile(GluonASTSource(kernel, signature, constants, attrs),
-                          target=GPUTarget("cuda", 90, 32), options=options)
+    return _compile_sm90(GluonASTSource, gluon_sage._gluon_sage_kernel, types, constants,
+                         {"num_warps": config.num_warps, "num_stages": 1,
+                          "maxnreg": config.max_regs})
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
@@ -359,25 +360,13 @@ def test_gluon_kernel_overlaps_softmax_with_pv_on_hopper(tmp_path, dim, causal, 
     """The Gluon kernel as sm_90 machine code: INT8 wgmma for QK^T, FP8 wgmma for P.V, TMA; each
     step waits for QK^T alone (wgmma wait 1) and runs the softmax while P.V is in flight; P
     becomes the FP8 operand without moving data between threads (no SHFL.IDX); no spills."""
-    import triton
-
     sys.path.insert(0, PLUGIN_ROOT)
     pytest.importorskip("triton.experimental.gluon", reason="this triton has no Gluon")
     from dtorch_sage_attn.triton_sage import LaunchConfig
 
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                             "cuobjdump")
-    if not os.path.exists(cuobjdump):
-        pytest.skip("this triton has no bundled cuobjdump")
-    cubin = tmp_path / "kernel.cubin"
     config = LaunchConfig(64, 128, 4, 2, fused, gluon=1)
-    cubin.write_bytes(_compile_gluon_for_hopper(config, dim, causal, return_lse).asm["cubin"])
-
-    def dump(flag):
-        return subprocess.run([cuobjdump, flag, str(cubin)], check=True, capture_output=True,
-                              text=True, timeout=120).stdout
-
-    usage, sass = dump("--dump-resource-usage"), dump("--dump-sass")
+    usage, sass = _machine_code(_compile_gluon_for_hopper(config, dim, causal, return_lse),
+                                tmp_path)
     for instruction in ("IGMMA", "QGMMA", "UTMALDG", "MUFU.EX2", "WARPGROUP.DEPBAR.LE gsb0, 0x1"):
         assert instruction in sass, instruction
     overlap = sass.split("WARPGROUP.DEPBAR.LE gsb0, 0x1")[1].split("WARPGROUP.DEPBAR.LE")[0]
