@@ -20,5 +20,5 @@ timeout 170 python3 -m pytest -q -p no:cacheprovider -x -k "(cuda or hopper) and
 timeout 80 python3 "$B/kernel_times.py" 2>&1 | tee "$OUT/kernel_times.log"
 timeout "${SWEEP_TIMEOUT:-270}" python3 "$B/attention.py" --sweep --apply --deadline "${SWEEP_DEADLINE:-150}" \
   --shapes flux,sd3_cfg,prefill_causal_gqa,short \
-  --configs "${SWEEP_CONFIGS:-64,128,4,2,0,0,0,168,0;64,128,4,3,1,0,0,0,0;64,128,4,2,1,0,0,0,1;64,128,4,2,0,0,0,0,1;64,128,4,2,1,0,0,168,1}" \
+  --configs "${SWEEP_CONFIGS:-64,128,4,2,0,0,0,168,0;64,128,4,3,1,0,0,0,0;64,128,4,2,1,0,0,0,1;64,64,4,2,1,0,0,0,1;64,128,4,2,0,0,0,0,1;64,128,4,2,1,0,0,168,1}" \
   --json "$OUT/sweep_table.json" 2>&1 | tee "$OUT/sweep_table.log"
