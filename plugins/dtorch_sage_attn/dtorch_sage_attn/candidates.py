@@ -1,5 +1,6 @@
-"""The sage-type candidate kernels: ``sageattention`` 1.0.6 (where it imports) and this plugin's
-own Triton kernel (``triton_sage``, where triton imports and the tensors are on CUDA).
+"""The sage-type candidate kernels: ``sageattention`` 1.0.6 (where it imports), this plugin's
+own Triton kernel (``triton_sage``, where triton imports and the tensors are on CUDA) and, with
+DTORCH_SAGE_GLUON=1, its Gluon rewrite (``ours_gluon``: sm_90 only).
 
 SDPA, the third candidate, is built per call by the worker kernel (it is the aten op the
 controller's dispatch chose, on that call's arguments)."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 
 import structlog
 import torch
@@ -60,20 +62,28 @@ def _sageattention_candidate(sageattn) -> Candidate:
     return Candidate("sageattention", "sage", run, _sageattention_unsupported)
 
 
-# -- this plugin's Triton kernel --------------------------------------------------------------
-def _triton_candidate(module) -> Candidate:
+# -- this plugin's kernels: Triton, and its Gluon rewrite for sm_90 (opt-in) -------------------
+def _triton_candidate(module, name: str = "ours", config=None) -> Candidate:
     def unsupported(call: AttentionCall) -> str | None:
-        reason = _common_reason(call)
-        if reason:
-            return reason
-        return module.unsupported_reason(call.q, call.k, call.v, causal=call.causal, attn_mask=None, dropout_p=0.0)
+        reason = _common_reason(call) or module.unsupported_reason(
+            call.q, call.k, call.v, causal=call.causal, attn_mask=None, dropout_p=0.0)
+        if reason is None and config is not None and not module.gluon_serves(call.q, config):
+            reason = "the Gluon kernel needs an sm_90 GPU and Triton with Gluon"
+        return reason
 
     def run(call: AttentionCall):
-        if call.need_lse:
-            return module.sage_attention(call.q, call.k, call.v, causal=call.causal, scale=call.scale, return_lse=True)
-        return module.sage_attention(call.q, call.k, call.v, causal=call.causal, scale=call.scale), None
+        out = module.sage_attention(call.q, call.k, call.v, causal=call.causal, scale=call.scale,
+                                    return_lse=call.need_lse, config=config)
+        return out if call.need_lse else (out, None)
 
-    return Candidate("ours", "sage", run, unsupported)
+    return Candidate(name, "sage", run, unsupported)
+
+
+def gluon_opted_in() -> bool:
+    """DTORCH_SAGE_GLUON=1 adds the Gluon kernel as candidate ``ours_gluon``. Opt-in until it
+    has run on a GPU: a fault in a kernel's first call would break the worker's CUDA context,
+    which the accuracy gate cannot catch."""
+    return os.environ.get("DTORCH_SAGE_GLUON", "0") == "1"
 
 
 def default_candidates() -> tuple[list[Candidate], dict[str, str]]:
@@ -92,6 +102,8 @@ def default_candidates() -> tuple[list[Candidate], dict[str, str]]:
         missing["ours"] = f"not importable ({type(exc).__name__}: {exc})"
     else:
         found.append(_triton_candidate(module))
+        if gluon_opted_in():
+            found.append(_triton_candidate(module, "ours_gluon", module.GLUON_CONFIG))
     return found, missing
 
 

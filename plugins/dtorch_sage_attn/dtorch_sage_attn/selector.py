@@ -40,6 +40,11 @@ MODES = ("auto", "sdpa", "sage", "ours")
 TIE = 0.01  # a candidate must beat SDPA by more than this fraction to be chosen
 
 
+def _is_mode_kernel(name: str, mode: str) -> bool:
+    """Whether a candidate is one DTORCH_ATTENTION=mode names (ours: ours and ours_gluon)."""
+    return name == mode or name.startswith(mode + "_")
+
+
 def attention_mode() -> str:
     mode = os.environ.get("DTORCH_ATTENTION", "auto").strip().lower() or "auto"
     if mode not in MODES:
@@ -221,8 +226,9 @@ class Selector:
         if mode == "sdpa":
             return Decision(SDPA, "DTORCH_ATTENTION=sdpa")
         pool = [c for c in self.candidates if mode == "auto" or (mode == "sage" and c.kind == "sage")
-                or c.name == mode]
-        reasons = [f"{name}: {why}" for name, why in self.missing.items() if mode in ("auto", "sage", name)]
+                or _is_mode_kernel(c.name, mode)]
+        reasons = [f"{name}: {why}" for name, why in self.missing.items()
+                   if mode in ("auto", "sage") or _is_mode_kernel(name, mode)]
         serving = []
         for c in pool:
             why = c.unsupported(call)

@@ -72,6 +72,10 @@ _CONFIGS = {
 }
 
 
+# The Gluon kernel's config (gluon_sage.py, sm_90): not yet timed on a GPU, so no default uses it
+GLUON_CONFIG = LaunchConfig(64, 128, 4, 2, 1, gluon=1)
+
+
 def launch_config(head_dim: int, causal: bool) -> LaunchConfig:
     forced = os.environ.get("DTORCH_SAGE_CONFIG")
     if forced:
@@ -312,15 +316,16 @@ def _v_descriptor(v, block_n):
                             [1, 1, block_n, v.shape[-1]])
 
 
-def sage_attention(q, k, v, *, causal=False, scale=None, return_lse=False):
+def sage_attention(q, k, v, *, causal=False, scale=None, return_lse=False, config=None):
     """Attention of q (B, Hq, Sq, D) over k, v (B, Hkv, Sk, D); Hq % Hkv == 0 (GQA).
 
     Returns out (B, Hq, Sq, D) in q's dtype, and with return_lse also lse (B, Hq, Sq) float32:
     the natural-log log-sum-exp of the scaled scores (aten's flash-attention convention).
-    Causal masking is top-left aligned (SDPA's is_causal) and needs Sq == Sk.
+    Causal masking is top-left aligned (SDPA's is_causal) and needs Sq == Sk. ``config`` (a
+    LaunchConfig) replaces the default for (head_dim, causal), e.g. GLUON_CONFIG.
     """
     reason = unsupported_reason(q, k, v, causal=causal, attn_mask=None, dropout_p=0.0)
     if reason is not None:
         raise ValueError(f"sage_attention: {reason}")
     return _sage_attention(q, k, v, causal, scale, return_lse,
-                           launch_config(q.shape[-1], causal))
+                           config or launch_config(q.shape[-1], causal))

@@ -212,9 +212,13 @@ def test_log_sum_exp_calls_use_only_kernels_that_return_it():
     assert sel.choose(make_call(need_lse=False), sdpa_candidate()).name == "sageattention"
 
 
-def test_default_candidates_on_cpu_leave_every_call_to_sdpa(attention_cache):
+def test_default_candidates_on_cpu_leave_every_call_to_sdpa(attention_cache, monkeypatch):
     sel = Selector()
     assert {c.name for c in sel.candidates} | set(sel.missing) == {"sageattention", "ours"}
+    monkeypatch.setenv("DTORCH_SAGE_GLUON", "1")  # the Gluon kernel only where asked for
+    sel = Selector()
+    assert {c.name for c in sel.candidates} | set(sel.missing) == {"sageattention", "ours",
+                                                                   "ours_gluon"}
     for call in (make_call(), make_call(need_lse=True, causal=True)):
         assert sel.choose(call, sdpa_candidate()).name == SDPA
     for decision in sel.decisions.values():
@@ -251,3 +255,12 @@ def test_log_sum_exp_is_gated_by_merging_halves_of_the_keys():
     assert sel.choose(make_call(sk=41, need_lse=True), sdpa_candidate()).name == "ours"
     (decision,) = sel.decisions.values()
     assert decision.gate["skewed"].startswith("merged halves FAIL") and decision.gate["ours"].startswith("pass")
+
+
+def test_ours_mode_takes_both_of_our_kernels(monkeypatch):
+    """DTORCH_ATTENTION=ours picks the faster of our Triton and Gluon kernels, never another."""
+    monkeypatch.setenv("DTORCH_ATTENTION", "ours")
+    cands = [standin("sageattention"), standin("ours"), standin("ours_gluon")]
+    sel = Selector(cands, timer=fixed_times({SDPA: 1.0, "sageattention": 0.1, "ours": 0.6,
+                                             "ours_gluon": 0.5}))
+    assert sel.choose(make_call(), sdpa_candidate()).name == "ours_gluon"
