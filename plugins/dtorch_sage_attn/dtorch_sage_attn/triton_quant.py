@@ -1,17 +1,15 @@
 """Preprocessing for the SageAttention-2-style kernel: K smoothing + INT8, V to FP8 (transposed).
 
-Three Triton launches, memory bound but the second:
+Two Triton launches, both memory bound:
 
-1. ``_kv_stats_kernel``: one pass over K (and V) per (batch, kv head, sequence split of at least
-   64 rows; about 2,048 programs in all, so that enough loads are in flight): partial column sums
-   of K and V and V's column max/min, written to a scratch buffer (no atomics, so no zero-filled
-   buffer and a deterministic result).
-2. ``_kv_reduce_kernel``: one program per (batch, kv head) reduces the partials to K's mean, V's
-   mean and V's per-channel scale (``head_stats``).
-3. ``_kv_quant_kernel``: per block of keys (the attention kernel's BLOCK_N, so that one scale
-   covers each (Q block, K block) product): subtracts K's mean (softmax is invariant to it),
-   quantises the block to INT8 with one scale (amax / 127; or one per key, ``k_token``), and
-   writes V - mean(V), scaled per channel to fill e4m3's range, as FP8 into a (D, Sk_pad) layout:
+1. ``_kv_stats_kernel``: one pass over K (and V) per (batch, kv head, sequence split): partial
+   column sums of K and V and V's column max/min, written to a scratch buffer (no atomics, so no
+   zero-filled buffer and a deterministic result).
+2. ``_kv_quant_kernel``: per block of keys (the attention kernel's BLOCK_N, so that one scale
+   covers each (Q block, K block) product): reduces the partials to K's mean, V's
+   mean and V's per-channel scale, subtracts K's mean (softmax is invariant to it), quantises the
+   block to INT8 with one scale (amax / 127; or one per key, ``k_token``), and writes
+   V - mean(V), scaled per channel to fill e4m3's range, as FP8 into a (D, Sk_pad) layout:
    Hopper's FP8 MMA wants its B operand K-major. Without ``quant_v`` (16-bit P.V) V is not read:
    the attention kernel takes it as it is.
 
@@ -29,9 +27,6 @@ import triton.language as tl
 SEQ_PAD = 128  # K/V scratch is padded (with zeros) to a multiple of the largest BLOCK_N
 FP8_MAX = tl.constexpr(448.0)  # largest finite e4m3 (float8e4nv) value
 _STATS_ROWS = 64  # rows per load in the stats pass
-# programs the stats pass aims for: enough loads in flight to stream K and V at full bandwidth
-# (512 gave 1.2 TB/s on an H100 at the Flux shape: 0.048 ms for 57 MB)
-_STATS_PROGRAMS = 2048
 
 
 @triton.jit
@@ -82,11 +77,17 @@ def _kv_stats_kernel(K, V, Partial, Sk, rows_per_split,
 
 
 @triton.jit
-def _kv_reduce_kernel(Partial, HeadStats, Sk, NSPLIT, D: tl.constexpr, SMOOTH_V: tl.constexpr,
-                      QUANT_V: tl.constexpr):
-    """One program per (batch, kv head): the partials to K's mean, V's mean and V's scale."""
-    bh = tl.program_id(0)
+def _kv_quant_kernel(K, V, Partial, KInt8, KScale, VtFp8, HeadStats, Sk, Sk_pad,
+                     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+                     HKV, NSPLIT, D: tl.constexpr,
+                     BLOCK: tl.constexpr, SMOOTH_V: tl.constexpr, QUANT_V: tl.constexpr,
+                     K_TOKEN: tl.constexpr, PERMUTE_V: tl.constexpr):
+    blk = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    bh = batch * HKV + head
     offs_d = tl.arange(0, D)
+    # K's and V's means and V's range from the partials (NSPLIT is small: a few loads of D floats)
     k_sum = tl.zeros([D], dtype=tl.float32)
     v_sum = tl.zeros([D], dtype=tl.float32)
     v_max = tl.full([D], float("-inf"), dtype=tl.float32)
@@ -97,6 +98,7 @@ def _kv_reduce_kernel(Partial, HeadStats, Sk, NSPLIT, D: tl.constexpr, SMOOTH_V:
         v_sum += tl.load(part + s * 4 * D + D)
         v_max = tl.maximum(v_max, tl.load(part + s * 4 * D + 2 * D))
         v_min = tl.minimum(v_min, tl.load(part + s * 4 * D + 3 * D))
+    k_mean = k_sum / Sk
     if SMOOTH_V and QUANT_V:
         v_mean = v_sum / Sk
     else:
@@ -106,26 +108,11 @@ def _kv_reduce_kernel(Partial, HeadStats, Sk, NSPLIT, D: tl.constexpr, SMOOTH_V:
         v_scale = v_range / FP8_MAX  # V - mean = v_fp8 * v_scale
     else:  # V is used as it is
         v_scale = tl.full([D], 1.0, dtype=tl.float32)
-    stats = HeadStats + bh.to(tl.int64) * (3 * D) + offs_d
-    tl.store(stats, k_sum / Sk)
-    tl.store(stats + D, v_mean)
-    tl.store(stats + 2 * D, v_scale)
-
-
-@triton.jit
-def _kv_quant_kernel(K, V, KInt8, KScale, VtFp8, HeadStats, Sk, Sk_pad,
-                     stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-                     HKV, D: tl.constexpr, BLOCK: tl.constexpr, QUANT_V: tl.constexpr,
-                     K_TOKEN: tl.constexpr, PERMUTE_V: tl.constexpr):
-    blk = tl.program_id(0)
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
-    bh = batch * HKV + head
-    offs_d = tl.arange(0, D)
-    stats = HeadStats + bh.to(tl.int64) * (3 * D) + offs_d
-    k_mean = tl.load(stats)
-    v_mean = tl.load(stats + D)
-    v_scale = tl.load(stats + 2 * D)
+    if blk == 0:
+        stats = HeadStats + bh.to(tl.int64) * (3 * D) + offs_d
+        tl.store(stats, k_mean)
+        tl.store(stats + D, v_mean)
+        tl.store(stats + 2 * D, v_scale)
 
     rows = blk * BLOCK + tl.arange(0, BLOCK)
     valid = (rows < Sk)[:, None]
@@ -160,8 +147,8 @@ def _kv_quant_kernel(K, V, KInt8, KScale, VtFp8, HeadStats, Sk, Sk_pad,
 
 def _stats_splits(batch_heads: int, sk: int) -> int:
     """Sequence splits for the stats pass: enough programs to cover the GPU (shape-only)."""
-    want = max(1, triton.cdiv(_STATS_PROGRAMS, batch_heads))
-    return max(1, min(want, triton.cdiv(sk, _STATS_ROWS)))
+    want = max(1, triton.cdiv(512, batch_heads))
+    return max(1, min(want, triton.cdiv(sk, 4 * _STATS_ROWS)))
 
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, block: int, smooth_v: bool = True,
@@ -170,10 +157,9 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, block: int, smooth_v: bool 
 
     Returns ``(k_int8 (B, H, Sk_pad, D), k_scale (B, H, Sk_pad // block) fp32 (with k_token
     (B, H, Sk_pad): one per key), vt_fp8 (B, H, D, Sk_pad) float8_e4m3fn (None without quant_v),
-    head_stats (B, H, 3, D) fp32)``; head_stats holds K's mean, V's mean (zero when not
-    smooth_v or not quant_v) and V's per-channel scale (one without quant_v). Rows past Sk are
-    zero. With permute_v, V^T's columns (keys) are stored in the order the Gluon kernel's P
-    operand takes them (gluon_sage._as_pv_operand).
+    head_stats (B, H, 3, D) fp32)``; with permute_v, V^T's columns (keys) are stored in the
+    order the Gluon kernel's P operand takes them (gluon_sage._as_pv_operand); head_stats holds K's mean, V's mean (zero when not smooth_v
+    or not quant_v) and V's per-channel scale (one without quant_v). Rows past Sk are zero.
     """
     batch, heads, sk, dim = k.shape
     sk_pad = triton.cdiv(sk, SEQ_PAD) * SEQ_PAD
@@ -192,10 +178,8 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, block: int, smooth_v: bool 
     _kv_stats_kernel[(nsplit, heads, batch)](
         k, v, partial, sk, rows_per_split, *strides,
         HKV=heads, NSPLIT=nsplit, D=dim, ROWS=_STATS_ROWS, QUANT_V=quant_v, num_warps=4)
-    _kv_reduce_kernel[(batch * heads,)](partial, head_stats, sk, nsplit, D=dim, SMOOTH_V=smooth_v,
-                                        QUANT_V=quant_v, num_warps=1)
     _kv_quant_kernel[(sk_pad // block, heads, batch)](
-        k, v, k_int8, k_scale, vt_fp8, head_stats, sk, sk_pad, *strides,
-        HKV=heads, D=dim, BLOCK=block, QUANT_V=quant_v, K_TOKEN=k_token, PERMUTE_V=permute_v,
-        num_warps=4)
+        k, v, partial, k_int8, k_scale, vt_fp8, head_stats, sk, sk_pad, *strides,
+        HKV=heads, NSPLIT=nsplit, D=dim, BLOCK=block, SMOOTH_V=smooth_v, QUANT_V=quant_v,
+        K_TOKEN=k_token, PERMUTE_V=permute_v, num_warps=4)
     return k_int8, k_scale, (vt_fp8 if quant_v else None), head_stats
