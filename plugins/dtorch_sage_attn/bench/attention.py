@@ -101,12 +101,11 @@ def kernels():
     except ImportError as exc:
         found["ours"] = (None, f"dtorch_sage_attn.triton_sage not importable ({exc})")
     try:
-        from dtorch_sage_attn.triton_sage import LaunchConfig, _sage_attention, gluon_serves
+        from dtorch_sage_attn.triton_sage import GLUON_CONFIG, _sage_attention, gluon_serves
 
-        gluon_cfg = LaunchConfig(64, 128, 4, 2, 1, gluon=1)
-        if gluon_serves(torch.empty(0, device="cuda"), gluon_cfg):
+        if gluon_serves(torch.empty(0, device="cuda"), GLUON_CONFIG):
             found["gluon"] = (lambda q, k, v, causal: _sage_attention(
-                q, k, v, causal, None, False, gluon_cfg), "")
+                q, k, v, causal, None, False, GLUON_CONFIG), "")
         else:
             found["gluon"] = (None, "the Gluon kernel needs sm_90 and Triton with Gluon")
     except ImportError as exc:

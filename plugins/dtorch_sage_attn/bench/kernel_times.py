@@ -36,17 +36,16 @@ def main():
     parser.add_argument("--shapes", default="flux,sd3_cfg,prefill_causal_gqa,short")
     parser.add_argument("--calls", type=int, default=20)
     args = parser.parse_args()
-    from dtorch_sage_attn.triton_sage import LaunchConfig, _sage_attention, launch_config
+    from dtorch_sage_attn.triton_sage import GLUON_CONFIG, _sage_attention, launch_config
 
     for name in args.shapes.split(","):
         shape = SHAPES[name]
         q, k, v = make_inputs(shape, "offsets")
         causal = shape[5]
         triton_cfg = launch_config(shape[4], causal)._replace(gluon=0)
-        gluon_cfg = LaunchConfig(64, 128, 4, 2, 1, gluon=1)
         runs = {"sdpa": lambda: sdpa(q, k, v, causal),
                 "triton": lambda: _sage_attention(q, k, v, causal, None, False, triton_cfg),
-                "gluon": lambda: _sage_attention(q, k, v, causal, None, False, gluon_cfg)}
+                "gluon": lambda: _sage_attention(q, k, v, causal, None, False, GLUON_CONFIG)}
         for kname, fn in runs.items():
             times = kernel_times(fn, args.calls)
             total = sum(times.values())

@@ -35,10 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .triton_quant import SEQ_PAD, quantize_kv
-
-LOG2E = 1.4426950408889634
-_LN2 = gl.constexpr(0.6931471805599453)
-_LOG2_FP8_MAX = gl.constexpr(math.log2(448.0))
+from .triton_sage import _LN2, _LOG2_FP8_MAX, LOG2E
 
 
 @gluon.jit

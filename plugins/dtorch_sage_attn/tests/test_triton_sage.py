@@ -106,6 +106,7 @@ def run_cases(device):
         _patch_interpreter_for_numpy_2_4()
     sys.path.insert(0, PLUGIN_ROOT)
     from dtorch_sage_attn.triton_sage import (
+        GLUON_CONFIG,
         LaunchConfig,
         _sage_attention,
         gluon_serves,
@@ -113,7 +114,6 @@ def run_cases(device):
     )
 
     PV16_CONFIG = LaunchConfig(64, 128, 4, 2, 1, pv16=1, k_token=1)
-    GLUON_CONFIG = LaunchConfig(64, 128, 4, 2, 1, gluon=1)
 
     for name, case in CASES.items():
         q, k, v = make_inputs(case, device)
