@@ -157,9 +157,10 @@ def quantize_kv(k: torch.Tensor, v: torch.Tensor, *, block: int, smooth_v: bool 
 
     Returns ``(k_int8 (B, H, Sk_pad, D), k_scale (B, H, Sk_pad // block) fp32 (with k_token
     (B, H, Sk_pad): one per key), vt_fp8 (B, H, D, Sk_pad) float8_e4m3fn (None without quant_v),
-    head_stats (B, H, 3, D) fp32)``; with permute_v, V^T's columns (keys) are stored in the
-    order the Gluon kernel's P operand takes them (gluon_sage._as_pv_operand); head_stats holds K's mean, V's mean (zero when not smooth_v
-    or not quant_v) and V's per-channel scale (one without quant_v). Rows past Sk are zero.
+    head_stats (B, H, 3, D) fp32)``; head_stats holds K's mean, V's mean (zero when not
+    smooth_v or not quant_v) and V's per-channel scale (one without quant_v). Rows past Sk are
+    zero. With permute_v, V^T's columns (keys) are stored in the order the Gluon kernel's P
+    operand takes them (gluon_sage._as_pv_operand).
     """
     batch, heads, sk, dim = k.shape
     sk_pad = triton.cdiv(sk, SEQ_PAD) * SEQ_PAD
